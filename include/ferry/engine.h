@@ -1,0 +1,118 @@
+// The Ferry engine: register memory, advertise it, connect to peers and move
+// bytes with one-sided WRITE/READ plus notifications.
+//
+// Thread safety: every method may be called from any thread concurrently.
+// Callbacks: none; completion is observed with test()/wait().
+// Re-entrancy: methods never call back into user code.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/status.h"
+#include "ferry/types.h"
+
+namespace ferry {
+
+struct EngineConfig {
+  // Address the default transport (tcp) listens on. Port 0 picks a free port.
+  // A wildcard host ("0.0.0.0") advertises every interface address in metadata.
+  std::string listen = "127.0.0.1:0";
+  // Component options by "component.name", e.g. {"tcp.streams", "4"}. Each can
+  // also be set by the environment as FERRY_<COMPONENT>_<NAME>; a value given
+  // here wins over the environment. Unknown names and invalid values are errors.
+  std::map<std::string, std::string> options;
+};
+
+// One line of `ferry-info --config`: an option with its effective value.
+struct OptionInfo {
+  std::string name;     // "tcp.streams"
+  std::string type;     // "uint", "bytes", "bool", "string", "duration_ms"
+  std::string value;    // effective value
+  std::string source;   // "default", "environment FERRY_TCP_STREAMS", "config"
+  std::string doc;
+};
+
+class Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> create(const EngineConfig& config = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Random 64-bit id of this engine; peers know us by it.
+  uint64_t id() const;
+  // Bytes that let a peer connect to us (engine id, version, addresses).
+  Bytes metadata() const;
+  // "ip:port" the tcp transport actually listens on.
+  std::string listen_address() const;
+  // Every option with its effective value and where it came from.
+  std::vector<OptionInfo> options() const;
+
+  // --- peers ---------------------------------------------------------------
+  // Connect by metadata bytes. Cached: the same peer again returns the same id.
+  Result<PeerId> connect(ByteView metadata);
+  // Connect by "host:port" (IPv4, [IPv6] or a name).
+  Result<PeerId> connect(std::string_view host_port);
+  // Peers that connected to us or that we connected to, alive now.
+  std::vector<PeerId> peers() const;
+
+  // --- memory --------------------------------------------------------------
+  Result<MemoryRegion> register_memory(void* address, uint64_t length);
+  // Revokes at once: remote operations already started on the region finish
+  // before this returns; later ones are refused with NotFound.
+  Status deregister_memory(RegionId region);
+  // A descriptor granting `access` to [offset, offset+length) of `region`.
+  // length == UINT64_MAX means "to the end of the region".
+  Result<RemoteDescriptor> advertise(RegionId region, uint64_t offset = 0,
+                                     uint64_t length = UINT64_MAX,
+                                     uint8_t access = kAccessReadWrite) const;
+
+  // --- one-sided transfers ------------------------------------------------
+  // local[i] and remote[i] pair up and must have equal lengths. 1 … 1,000,000
+  // entries. A write may carry a notification, delivered to the target only
+  // after every byte of the write is placed.
+  Result<TransferId> write_async(PeerId peer, std::span<const LocalIov> local,
+                                 std::span<const RemoteIov> remote,
+                                 std::optional<ByteView> notification = std::nullopt);
+  Result<TransferId> read_async(PeerId peer, std::span<const LocalIov> local,
+                                std::span<const RemoteIov> remote);
+  Status write(PeerId peer, std::span<const LocalIov> local, std::span<const RemoteIov> remote,
+               std::optional<ByteView> notification = std::nullopt,
+               std::chrono::milliseconds timeout = std::chrono::hours(24));
+  Status read(PeerId peer, std::span<const LocalIov> local, std::span<const RemoteIov> remote,
+              std::chrono::milliseconds timeout = std::chrono::hours(24));
+
+  // InProgress while running; the final status once (then the id is released,
+  // and later calls answer NotFound naming the id).
+  Status test(TransferId transfer);
+  // Waits up to `timeout`; Timeout leaves the transfer running and the id valid.
+  Status wait(TransferId transfer, std::chrono::milliseconds timeout);
+  // Stops the transfer: after this returns no more bytes move into local
+  // memory for it; its final status is Cancelled (unless it already finished).
+  Status cancel(TransferId transfer);
+
+  // --- notifications -------------------------------------------------------
+  Status notify(PeerId peer, ByteView payload);
+  // Takes every notification received so far (oldest first).
+  std::vector<Notification> take_notifications();
+  // Blocks until at least one notification is there or the timeout passes.
+  std::vector<Notification> wait_notifications(std::chrono::milliseconds timeout);
+
+  class Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Library version, e.g. "0.1.0", and the wire protocol version.
+std::string_view version();
+uint16_t protocol_version();
+
+}  // namespace ferry

@@ -1,0 +1,35 @@
+// Engine metadata: the bytes a peer needs to connect to us.
+//
+// Layout (little endian): "FRYM" magic, u16 format version, u16 protocol
+// version, u64 engine id, str16 hostname, u16 transport count, then per
+// transport str16 name + u32 length + blob, then a u32 crc32 of all before it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ferry/status.h"
+#include "ferry/types.h"
+
+namespace ferry {
+
+struct TransportAddress {
+  std::string transport;  // "tcp"
+  Bytes blob;             // transport-specific address bytes
+};
+
+struct EngineMetadata {
+  static constexpr uint16_t kFormatVersion = 1;
+  static constexpr size_t kMaxEncodedSize = 64 * 1024;
+
+  uint64_t engine_id = 0;
+  uint16_t protocol_version = 0;
+  std::string hostname;
+  std::vector<TransportAddress> transports;
+
+  Bytes encode() const;
+  static Result<EngineMetadata> decode(ByteView bytes);
+  const TransportAddress* find(std::string_view transport) const;
+};
+
+}  // namespace ferry
