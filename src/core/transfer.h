@@ -1,0 +1,88 @@
+// One transfer (a batch write, read or notification) as seen by core and by
+// the transport executing it. Shared by both: core keeps it in the transfer
+// table until the caller has observed the final status; the transport holds
+// it while frames are in flight.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "ferry/status.h"
+#include "ferry/types.h"
+
+namespace ferry {
+
+enum class TransferOp : uint8_t { kWrite, kRead, kNotify };
+
+class Transfer {
+ public:
+  Transfer(TransferId id, TransferOp op, PeerId peer) : id_(id), op_(op), peer_(peer) {}
+
+  TransferId id() const { return id_; }
+  TransferOp op() const { return op_; }
+  PeerId peer() const { return peer_; }
+
+  // Sets the final status; the first call wins and wakes waiters.
+  bool complete(Status status);
+  bool finished() const { return finished_.load(std::memory_order_acquire); }
+  // The final status, or InProgress.
+  Status status() const;
+  // Blocks until finished or the deadline; returns finished().
+  bool wait_until(std::chrono::steady_clock::time_point deadline) const;
+
+  // --- transport bookkeeping -------------------------------------------------
+  // Frames (or other units) still to be answered.
+  std::atomic<uint64_t> outstanding{0};
+  // First error seen on any unit; reported when the last unit is answered.
+  void note_error(const Status& s);
+  Status first_error() const;
+  // Payload of a notification sent after the write completes (empty: none).
+  Bytes notification;
+  bool has_notification = false;
+
+  // --- cancellation ----------------------------------------------------------
+  // An I/O thread holds io_mu while it places bytes into the caller's local
+  // memory; cancel() takes it to set `cancelled`, so after cancel() returns no
+  // more bytes land there.
+  std::mutex io_mu;
+  bool cancelled = false;  // guarded by io_mu
+  // Frames of this transfer partly on the wire (they read the caller's memory
+  // until fully sent); cancel waits for them.
+  void tx_begin();
+  void tx_end();
+  void wait_tx_idle();
+
+ private:
+  const TransferId id_;
+  const TransferOp op_;
+  const PeerId peer_;
+  std::atomic<bool> finished_{false};
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  Status status_;
+  Status first_error_;
+  uint32_t tx_active_ = 0;  // guarded by mu_
+};
+
+// Live transfers by id. Ids grow from 1 and are never reused.
+class TransferTable {
+ public:
+  std::shared_ptr<Transfer> create(TransferOp op, PeerId peer);
+  std::shared_ptr<Transfer> find(TransferId id) const;
+  void erase(TransferId id);
+  size_t size() const;
+  // Completes every live transfer with `status` (engine shutdown).
+  void fail_all(const Status& status);
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_map<TransferId, std::shared_ptr<Transfer>> live_;
+  TransferId next_id_ = 1;
+};
+
+}  // namespace ferry

@@ -1,0 +1,84 @@
+#include "core/transfer.h"
+
+namespace ferry {
+
+bool Transfer::complete(Status status) {
+  {
+    std::lock_guard lock(mu_);
+    if (finished_.load(std::memory_order_relaxed)) return false;
+    status_ = std::move(status);
+    finished_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+  return true;
+}
+
+Status Transfer::status() const {
+  if (!finished()) return Status(StatusCode::kInProgress, "");
+  std::lock_guard lock(mu_);
+  return status_;
+}
+
+bool Transfer::wait_until(std::chrono::steady_clock::time_point deadline) const {
+  std::unique_lock lock(mu_);
+  return cv_.wait_until(lock, deadline, [&] { return finished_.load(std::memory_order_relaxed); });
+}
+
+void Transfer::note_error(const Status& s) {
+  std::lock_guard lock(mu_);
+  if (first_error_.ok()) first_error_ = s;
+}
+
+Status Transfer::first_error() const {
+  std::lock_guard lock(mu_);
+  return first_error_;
+}
+
+void Transfer::tx_begin() {
+  std::lock_guard lock(mu_);
+  ++tx_active_;
+}
+
+void Transfer::tx_end() {
+  bool idle;
+  {
+    std::lock_guard lock(mu_);
+    idle = --tx_active_ == 0;
+  }
+  if (idle) cv_.notify_all();
+}
+
+void Transfer::wait_tx_idle() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return tx_active_ == 0; });
+}
+
+std::shared_ptr<Transfer> TransferTable::create(TransferOp op, PeerId peer) {
+  std::lock_guard lock(mu_);
+  auto t = std::make_shared<Transfer>(next_id_++, op, peer);
+  live_.emplace(t->id(), t);
+  return t;
+}
+
+std::shared_ptr<Transfer> TransferTable::find(TransferId id) const {
+  std::lock_guard lock(mu_);
+  auto it = live_.find(id);
+  return it == live_.end() ? nullptr : it->second;
+}
+
+void TransferTable::erase(TransferId id) {
+  std::lock_guard lock(mu_);
+  live_.erase(id);
+}
+
+size_t TransferTable::size() const {
+  std::lock_guard lock(mu_);
+  return live_.size();
+}
+
+void TransferTable::fail_all(const Status& status) {
+  std::lock_guard lock(mu_);
+  for (auto& [id, t] : live_) t->complete(status);
+}
+
+}  // namespace ferry

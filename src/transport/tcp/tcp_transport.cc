@@ -1,0 +1,491 @@
+// tcp transport: lifecycle, workers, connection set-up and failure handling.
+// The data path (frames, sending, receiving) is in tcp_datapath.cc.
+#include "transport/tcp/tcp_transport.h"
+
+#include <sodium.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "fmt/format.h"
+#include "spdlog/spdlog.h"
+
+namespace ferry::tcp {
+
+const OptionSpec kTcpOptionSpecs[] = {
+    {"tcp.streams", OptionType::kUint, "2", "TCP connections (streams) per peer; frames are striped over them", 1, 64},
+    {"tcp.io_threads", OptionType::kUint, "2", "I/O threads (epoll loops) of the tcp transport", 1, 64},
+    {"tcp.chunk_bytes", OptionType::kBytes, "1MiB", "largest payload of one frame: large iovs are cut into chunks of this size", 4096, 64ull << 20},
+    {"tcp.max_segments", OptionType::kUint, "256", "most iovs coalesced into one frame", 1, kMaxSegmentsPerFrame},
+    {"tcp.connect_timeout_ms", OptionType::kDurationMs, "5000", "time allowed for connecting and the handshake", 1, 600000},
+    {"tcp.user_timeout_ms", OptionType::kDurationMs, "10000", "TCP_USER_TIMEOUT: unacknowledged data for this long declares the peer dead", 100, 3600000},
+    {"tcp.sndbuf", OptionType::kBytes, "0", "SO_SNDBUF per stream (0: kernel autotuning)", 0, 1ull << 30},
+    {"tcp.rcvbuf", OptionType::kBytes, "0", "SO_RCVBUF per stream (0: kernel autotuning)", 0, 1ull << 30},
+};
+const size_t kTcpOptionSpecCount = std::size(kTcpOptionSpecs);
+
+namespace {
+std::string hex_id(uint64_t id) { return fmt::format("{:016x}", id); }
+}  // namespace
+
+// ----------------------------------------------------------------- Worker ---
+
+Worker::Worker(TcpTransport& transport, int index)
+    : transport_(transport), index_(index), discard_(64 * 1024) {}
+
+Worker::~Worker() {
+  stop();
+  if (epfd_ >= 0) ::close(epfd_);
+  if (wakefd_ >= 0) ::close(wakefd_);
+}
+
+Status Worker::start() {
+  epfd_ = epoll_create1(EPOLL_CLOEXEC);
+  wakefd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (epfd_ < 0 || wakefd_ < 0) return err::Internal("epoll/eventfd: " + errno_text(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = &wake_tag_;
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &ev);
+  thread_ = std::thread([this] { run(); });
+  return Status::Ok();
+}
+
+void Worker::stop() {
+  if (!thread_.joinable()) return;
+  stop_.store(true);
+  uint64_t one = 1;
+  [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
+  thread_.join();
+  std::lock_guard lock(mu_);
+  streams_.clear();
+}
+
+void Worker::adopt(const std::shared_ptr<Stream>& stream) {
+  stream->worker = this;
+  {
+    std::lock_guard lock(mu_);
+    streams_[stream.get()] = stream;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = static_cast<EpollTag*>(stream.get());
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, stream->fd, &ev);
+}
+
+void Worker::watch_listener(int fd) {
+  listen_fd_ = fd;
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = &listen_tag_;
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev);
+}
+
+void Worker::want_writable(Stream& s, bool on) {
+  if (s.want_out == on || s.closed) return;
+  s.want_out = on;
+  epoll_event ev{};
+  ev.events = EPOLLIN | (on ? static_cast<uint32_t>(EPOLLOUT) : 0u);
+  ev.data.ptr = static_cast<EpollTag*>(&s);
+  epoll_ctl(epfd_, EPOLL_CTL_MOD, s.fd, &ev);
+}
+
+void Worker::run() {
+  epoll_event events[64];
+  while (!stop_.load(std::memory_order_relaxed)) {
+    const int n = epoll_wait(epfd_, events, 64, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("ferry tcp: epoll_wait failed in worker {}: {}", index_, errno_text(errno));
+      return;
+    }
+    for (int i = 0; i < n; ++i) {
+      auto* tag = static_cast<EpollTag*>(events[i].data.ptr);
+      if (tag->kind == EpollTag::kWake) {
+        uint64_t v;
+        [[maybe_unused]] auto r = ::read(wakefd_, &v, sizeof v);
+        continue;
+      }
+      if (tag->kind == EpollTag::kListener) {
+        transport_.on_accept(listen_fd_);
+        continue;
+      }
+      auto* s = static_cast<Stream*>(tag);
+      if (s->closed) continue;
+      if (events[i].events & EPOLLOUT) transport_.on_writable(*s);
+      if (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) transport_.on_readable(*s);
+    }
+    // Drop closed streams only after the batch: later events may name them.
+    std::lock_guard lock(mu_);
+    for (auto it = streams_.begin(); it != streams_.end();) {
+      it = it->first->closed ? streams_.erase(it) : std::next(it);
+    }
+  }
+}
+
+// ------------------------------------------------------------- lifecycle ---
+
+TcpTransport::~TcpTransport() { shutdown(err::Cancelled("engine destroyed")); }
+
+Status TcpTransport::start(const TransportContext& context) {
+  ctx_ = context;
+  const OptionSet& o = *ctx_.options;
+  opt_.streams = static_cast<uint32_t>(o.get_uint("tcp.streams"));
+  opt_.io_threads = static_cast<uint32_t>(o.get_uint("tcp.io_threads"));
+  opt_.chunk_bytes = o.get_uint("tcp.chunk_bytes");
+  opt_.max_segments = static_cast<uint32_t>(o.get_uint("tcp.max_segments"));
+  opt_.connect_timeout = std::chrono::milliseconds(o.get_uint("tcp.connect_timeout_ms"));
+  opt_.user_timeout = std::chrono::milliseconds(o.get_uint("tcp.user_timeout_ms"));
+  opt_.sndbuf = static_cast<int>(o.get_uint("tcp.sndbuf"));
+  opt_.rcvbuf = static_cast<int>(o.get_uint("tcp.rcvbuf"));
+
+  auto addresses = resolve(ctx_.listen);
+  if (!addresses.ok()) return addresses.status();
+  auto fd = listen_on(addresses->front(), &bound_);
+  if (!fd.ok()) return fd.status();
+  listen_fd_ = *fd;
+  if (bound_.is_wildcard()) {
+    for (const auto& a : interface_addresses(bound_.storage.ss_family, bound_.port())) {
+      advertised_ += (advertised_.empty() ? "" : ",") + a.to_string();
+    }
+  }
+  if (advertised_.empty()) advertised_ = bound_.to_string();
+
+  for (uint32_t i = 0; i < opt_.io_threads; ++i) {
+    workers_.push_back(std::make_unique<Worker>(*this, static_cast<int>(i)));
+    if (auto s = workers_.back()->start(); !s.ok()) return s;
+  }
+  workers_.front()->watch_listener(listen_fd_);
+  spdlog::debug("ferry tcp: engine {} listening on {} ({} streams/peer, {} io threads)",
+                hex_id(ctx_.engine_id), advertised_, opt_.streams, opt_.io_threads);
+  return Status::Ok();
+}
+
+void TcpTransport::shutdown(const Status& reason) {
+  {
+    std::lock_guard lock(mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  for (auto& w : workers_) w->stop();
+  std::vector<std::shared_ptr<Group>> groups;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [key, g] : groups_) groups.push_back(g);
+    groups_.clear();
+    primary_.clear();
+  }
+  for (auto& g : groups) {
+    for (auto& s : g->streams) {
+      if (!s) continue;
+      fail_stream(*s, reason);
+      close_stream(*s);
+    }
+  }
+  workers_.clear();
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
+}
+
+Bytes TcpTransport::local_address() const { return Bytes(advertised_.begin(), advertised_.end()); }
+
+std::shared_ptr<Group> TcpTransport::primary(PeerId peer) const {
+  std::lock_guard lock(mu_);
+  auto it = primary_.find(peer);
+  return it == primary_.end() ? nullptr : it->second;
+}
+
+bool TcpTransport::is_connected(PeerId peer) const {
+  auto g = primary(peer);
+  return g && !g->dead.load();
+}
+
+std::string TcpTransport::peer_name(const Stream& s) const {
+  auto g = s.group.lock();
+  return g ? fmt::format("peer {} at {}", hex_id(g->peer), s.remote)
+           : fmt::format("connection from {}", s.remote);
+}
+
+// --------------------------------------------------------------- connect ---
+
+Result<PeerId> TcpTransport::connect(ByteView peer_address, PeerId expected_peer) {
+  const std::string text(peer_address.begin(), peer_address.end());
+  if (text.empty()) return err::InvalidArgument("peer has no tcp address");
+  std::lock_guard serial(connect_mu_);
+  if (expected_peer != 0 && is_connected(expected_peer)) return expected_peer;
+  Status last;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string one = text.substr(start, comma - start);
+    start = comma + 1;
+    auto resolved = resolve(one);
+    if (!resolved.ok()) {
+      last = resolved.status();
+      continue;
+    }
+    for (const auto& address : *resolved) {
+      auto group = open_group(address, expected_peer);
+      if (group.ok()) return (*group)->peer;
+      last = group.status();
+      // A refusal by a live Ferry engine (version, identity) is final.
+      if (last.code() == StatusCode::kProtocolError || last.code() == StatusCode::kInvalidArgument) {
+        return last;
+      }
+    }
+  }
+  return last;
+}
+
+Result<std::shared_ptr<Group>> TcpTransport::open_group(const SocketAddress& address,
+                                                         PeerId expected_peer) {
+  auto group = std::make_shared<Group>();
+  group->outgoing = true;
+  group->remote = address.to_string();
+  randombytes_buf(&group->nonce, sizeof group->nonce);
+  std::vector<int> fds;
+  auto close_all = [&] {
+    for (int fd : fds) ::close(fd);
+  };
+  for (uint32_t i = 0; i < opt_.streams; ++i) {
+    auto fd = connect_to(address, opt_.connect_timeout);
+    if (!fd.ok()) {
+      close_all();
+      return fd.status();
+    }
+    fds.push_back(*fd);
+    tune_stream_socket(*fd, opt_.user_timeout, opt_.sndbuf, opt_.rcvbuf);
+    Hello hello{kHelloMagic, kProtocolVersion, static_cast<uint16_t>(i), ctx_.engine_id,
+                group->nonce, static_cast<uint16_t>(opt_.streams), 0, 0};
+    HelloReply reply{};
+    Status s = send_all(*fd, &hello, sizeof hello, opt_.connect_timeout);
+    if (s.ok()) s = recv_all(*fd, &reply, sizeof reply, opt_.connect_timeout);
+    if (!s.ok()) {
+      close_all();
+      return err::PeerDisconnected(
+          fmt::format("handshake with {} failed: {}", group->remote, s.message()));
+    }
+    if (reply.magic != kHelloMagic) {
+      close_all();
+      return err::ProtocolError(fmt::format(
+          "{} is not a Ferry engine (handshake reply magic {:#010x})", group->remote, reply.magic));
+    }
+    if (reply.status != 0) {
+      std::string message(std::min(reply.message_bytes, kMaxHelloMessage), '\0');
+      (void)recv_all(*fd, message.data(), message.size(), opt_.connect_timeout);
+      close_all();
+      const auto code = reply.status <= static_cast<uint16_t>(StatusCode::kInternal)
+                            ? static_cast<StatusCode>(reply.status)
+                            : StatusCode::kProtocolError;
+      return Status(code, fmt::format("{} refused the connection: {}", group->remote, message));
+    }
+    if (reply.protocol_version != kProtocolVersion) {
+      close_all();
+      return err::ProtocolError(
+          fmt::format("protocol version mismatch with {}: peer speaks {}, this engine speaks {}",
+                      group->remote, reply.protocol_version, kProtocolVersion));
+    }
+    if (expected_peer != 0 && reply.engine_id != expected_peer) {
+      close_all();
+      return err::InvalidArgument(fmt::format("{} is engine {}, but the metadata names engine {}",
+                                              group->remote, hex_id(reply.engine_id),
+                                              hex_id(expected_peer)));
+    }
+    group->peer = reply.engine_id;
+  }
+  for (size_t i = 0; i < fds.size(); ++i) {
+    auto s = std::make_shared<Stream>();
+    s->fd = fds[i];
+    s->remote = group->remote;
+    s->group = group;
+    group->streams.push_back(s);
+  }
+  group->arrived = fds.size();
+  {
+    std::lock_guard lock(mu_);
+    groups_[{group->peer, group->nonce}] = group;
+    auto& slot = primary_[group->peer];
+    if (!slot || slot->dead.load()) slot = group;
+  }
+  for (auto& s : group->streams) {
+    workers_[next_worker_.fetch_add(1) % workers_.size()]->adopt(s);
+  }
+  ctx_.events->on_peer_up(group->peer);
+  spdlog::debug("ferry tcp: connected to engine {} at {} with {} streams", hex_id(group->peer),
+                group->remote, group->streams.size());
+  return group;
+}
+
+// ---------------------------------------------------------------- accept ---
+
+void TcpTransport::on_accept(int listen_fd) {
+  for (;;) {
+    sockaddr_storage from{};
+    socklen_t len = sizeof from;
+    const int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&from), &len,
+                           SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        spdlog::warn("ferry tcp: accept failed: {}", errno_text(errno));
+      }
+      return;
+    }
+    SocketAddress a;
+    a.storage = from;
+    a.length = len;
+    tune_stream_socket(fd, opt_.user_timeout, opt_.sndbuf, opt_.rcvbuf);
+    auto s = std::make_shared<Stream>();
+    s->fd = fd;
+    s->remote = a.to_string();
+    s->rx = Stream::Rx::kHello;
+    workers_[next_worker_.fetch_add(1) % workers_.size()]->adopt(s);
+  }
+}
+
+bool TcpTransport::rx_hello(Stream& s) {
+  const ssize_t r = ::recv(s.fd, s.head + s.head_got, sizeof(Hello) - s.head_got, 0);
+  if (r <= 0) {
+    if (r < 0 && (errno == EAGAIN || errno == EINTR)) return false;
+    spdlog::info("ferry tcp: connection from {} closed during the handshake", s.remote);
+    fail_stream(s, err::PeerDisconnected("closed during handshake"));
+    return false;
+  }
+  s.head_got += static_cast<size_t>(r);
+  if (s.head_got < sizeof(Hello)) return true;
+  s.head_got = 0;
+  Hello hello;
+  std::memcpy(&hello, s.head, sizeof hello);
+  auto refuse = [&](StatusCode code, const std::string& why) {
+    spdlog::warn("ferry tcp: refusing connection from {}: {}", s.remote, why);
+    HelloReply reply{kHelloMagic, kProtocolVersion, static_cast<uint16_t>(code), ctx_.engine_id,
+                     static_cast<uint32_t>(std::min<size_t>(why.size(), kMaxHelloMessage)), 0};
+    (void)send_all(s.fd, &reply, sizeof reply, std::chrono::milliseconds(100));
+    (void)send_all(s.fd, why.data(), reply.message_bytes, std::chrono::milliseconds(100));
+    fail_stream(s, err::ProtocolError(why));
+    return false;
+  };
+  if (hello.magic != kHelloMagic) {
+    spdlog::warn("ferry tcp: closing connection from {}: not a Ferry handshake (magic {:#010x})",
+                 s.remote, hello.magic);
+    fail_stream(s, err::ProtocolError("bad handshake magic"));
+    return false;
+  }
+  if (hello.protocol_version != kProtocolVersion) {
+    return refuse(StatusCode::kProtocolError,
+                  fmt::format("protocol version mismatch: peer speaks {}, this engine speaks {}",
+                              hello.protocol_version, kProtocolVersion));
+  }
+  if (hello.engine_id == 0 || hello.stream_count == 0 || hello.stream_count > 64 ||
+      hello.stream_index >= hello.stream_count) {
+    return refuse(StatusCode::kProtocolError,
+                  fmt::format("malformed handshake: engine {}, stream {} of {}",
+                              hex_id(hello.engine_id), hello.stream_index, hello.stream_count));
+  }
+  std::shared_ptr<Group> group;
+  bool complete = false;
+  {
+    std::lock_guard lock(mu_);
+    auto& g = groups_[{hello.engine_id, hello.group_nonce}];
+    if (!g) {
+      g = std::make_shared<Group>();
+      g->peer = hello.engine_id;
+      g->nonce = hello.group_nonce;
+      g->remote = s.remote;
+      g->streams.resize(hello.stream_count);
+    }
+    group = g;
+  }
+  {
+    std::lock_guard lock(mu_);
+    if (group->streams.size() != hello.stream_count || group->streams[hello.stream_index]) {
+      return refuse(StatusCode::kProtocolError,
+                    fmt::format("stream {} of {} arrived twice or with a different count",
+                                hello.stream_index, hello.stream_count));
+    }
+    group->streams[hello.stream_index] = s.shared_from_this();
+  }
+  s.group = group;
+  HelloReply reply{kHelloMagic, kProtocolVersion, 0, ctx_.engine_id, 0, 0};
+  if (auto st = send_all(s.fd, &reply, sizeof reply, opt_.connect_timeout); !st.ok()) {
+    fail_stream(s, st);
+    return false;
+  }
+  {
+    std::lock_guard lock(mu_);
+    complete = ++group->arrived == group->streams.size();
+    if (complete) {
+      auto& slot = primary_[group->peer];
+      if (!slot || slot->dead.load()) slot = group;
+    }
+  }
+  s.rx = Stream::Rx::kHeader;
+  if (complete) ctx_.events->on_peer_up(group->peer);
+  return true;
+}
+
+// --------------------------------------------------------------- failure ---
+
+void TcpTransport::fail_transfer(Transfer& t, const Status& status) {
+  // Taking io_mu waits out a receive into the caller's memory; after it no
+  // more bytes land there, so the caller may free its buffers on failure.
+  {
+    std::lock_guard lock(t.io_mu);
+    t.cancelled = true;
+  }
+  t.complete(status);
+}
+
+void TcpTransport::fail_stream(Stream& s, const Status& reason) {
+  std::deque<std::unique_ptr<TxFrame>> frames;
+  std::deque<std::shared_ptr<Pending>> pending;
+  {
+    std::lock_guard lock(s.tx_mu);
+    if (s.dead) return;
+    s.dead = true;
+    frames.swap(s.txq);
+    pending.swap(s.pending);
+    if (!s.closed) ::shutdown(s.fd, SHUT_RDWR);
+  }
+  auto group = s.group.lock();
+  const std::string who = peer_name(s);
+  const Status status(reason.code() == StatusCode::kProtocolError ? StatusCode::kPeerDisconnected
+                                                                  : reason.code(),
+                      fmt::format("{}: connection lost: {}", who, reason.message()));
+  for (auto& f : frames) {
+    if (f->started && f->transfer) f->transfer->tx_end();
+  }
+  for (auto& p : pending) {
+    if (!p->dropped) fail_transfer(*p->transfer, status);
+  }
+  if (!group) return;
+  if (group->dead.exchange(true)) return;
+  if (reason.code() == StatusCode::kCancelled) {
+    spdlog::debug("ferry tcp: {}", status.message());  // our own shutdown
+  } else {
+    spdlog::warn("ferry tcp: {}", status.message());
+  }
+  bool was_primary = false;
+  {
+    std::lock_guard lock(mu_);
+    auto it = primary_.find(group->peer);
+    if (it != primary_.end() && it->second == group) {
+      primary_.erase(it);
+      was_primary = true;
+    }
+    groups_.erase({group->peer, group->nonce});
+  }
+  for (auto& sibling : group->streams) {
+    if (sibling && sibling.get() != &s) fail_stream(*sibling, reason);
+  }
+  if (was_primary) ctx_.events->on_peer_down(group->peer, status);
+}
+
+void TcpTransport::close_stream(Stream& s) {
+  std::lock_guard lock(s.tx_mu);
+  if (s.closed) return;
+  s.closed = true;
+  s.pins.clear();
+  ::close(s.fd);  // also leaves the worker's epoll set
+}
+
+}  // namespace ferry::tcp

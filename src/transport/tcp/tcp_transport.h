@@ -1,0 +1,218 @@
+// The tcp transport: the embedded default, any two hosts.
+//
+// Each peer connection is a Group of N streams (sockets). A transfer is cut
+// into frames of at most `tcp.chunk_bytes` payload / `tcp.max_segments`
+// segments (small iovs coalesce into one frame, large ones are chunked) and
+// the frames are striped round-robin over the group's streams. The target
+// receives payload with readv straight into the registered destination and
+// serves reads with writev straight from registered memory.
+//
+// Threads: `tcp.io_threads` workers, each an epoll loop that sleeps when idle.
+// A stream belongs to one worker, which alone receives on it. Sending is done
+// by whichever thread holds the stream's tx_mu: the posting thread writes as
+// much as the socket takes, the worker finishes on EPOLLOUT.
+#pragma once
+
+#include <sys/epoll.h>
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/tcp/iov_cursor.h"
+#include "transport/tcp/socket_util.h"
+#include "transport/tcp/wire.h"
+#include "transport/transport.h"
+
+namespace ferry::tcp {
+
+struct TcpOptions {
+  uint32_t streams = 2;
+  uint32_t io_threads = 2;
+  uint64_t chunk_bytes = 1 << 20;
+  uint32_t max_segments = 256;
+  std::chrono::milliseconds connect_timeout{5000};
+  std::chrono::milliseconds user_timeout{10000};
+  int sndbuf = 0;
+  int rcvbuf = 0;
+};
+extern const OptionSpec kTcpOptionSpecs[];
+extern const size_t kTcpOptionSpecCount;
+
+// A response a stream still expects, in request order.
+struct Pending {
+  Op expect;
+  std::shared_ptr<Transfer> transfer;
+  IovCursor read_into;     // READ: where the response payload goes
+  uint64_t payload_bytes = 0;
+  bool dropped = false;    // frame never sent (transfer cancelled); guarded by tx_mu
+};
+
+struct TxFrame {
+  FrameHeader header{};
+  std::vector<uint8_t> aux;
+  IovCursor cursor;  // header, aux, payload
+  std::shared_ptr<Transfer> transfer;  // frames reading the caller's memory
+  std::shared_ptr<Pending> pending;    // set when a response is expected
+  std::vector<RegionPin> pins;         // READ_RESPONSE payload stays registered
+  bool started = false;
+};
+
+struct EpollTag {
+  enum Kind { kStream, kListener, kWake } kind;
+};
+
+class Worker;
+struct Group;
+
+struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
+  Stream() : EpollTag{kStream} {}
+  int fd = -1;
+  Worker* worker = nullptr;
+  std::string remote;  // address text for messages
+  std::weak_ptr<Group> group;
+
+  // --- sending side: any thread, under tx_mu ---
+  std::mutex tx_mu;
+  std::deque<std::unique_ptr<TxFrame>> txq;
+  std::deque<std::shared_ptr<Pending>> pending;
+  bool want_out = false;
+  bool dead = false;
+  bool closed = false;
+
+  // --- receiving side: owning worker only ---
+  enum class Rx { kHello, kHeader, kAux, kPayload } rx = Rx::kHeader;
+  uint8_t head[sizeof(FrameHeader)];
+  size_t head_got = 0;
+  FrameHeader hdr{};
+  std::vector<uint8_t> aux;
+  size_t aux_got = 0;
+  IovCursor payload;
+  uint64_t discard_left = 0;
+  std::vector<RegionPin> pins;
+  Status write_verdict;
+  std::shared_ptr<Pending> reading;  // READ_RESPONSE being received
+};
+
+struct Group {
+  PeerId peer = 0;
+  uint64_t nonce = 0;
+  bool outgoing = false;
+  std::string remote;
+  std::vector<std::shared_ptr<Stream>> streams;  // null slots until arrived (incoming)
+  size_t arrived = 0;
+  std::atomic<bool> dead{false};
+  std::atomic<uint32_t> next_stream{0};
+};
+
+class TcpTransport;
+
+class Worker {
+ public:
+  Worker(TcpTransport& transport, int index);
+  ~Worker();
+  Status start();
+  void stop();
+  void adopt(const std::shared_ptr<Stream>& stream);
+  void watch_listener(int fd);
+  // Called with s.tx_mu held: tracks EPOLLOUT interest.
+  void want_writable(Stream& s, bool on);
+  int index() const { return index_; }
+  uint8_t* discard_buffer() { return discard_.data(); }
+  size_t discard_size() const { return discard_.size(); }
+
+ private:
+  void run();
+  TcpTransport& transport_;
+  const int index_;
+  int epfd_ = -1;
+  int wakefd_ = -1;
+  int listen_fd_ = -1;
+  EpollTag wake_tag_{EpollTag::kWake};
+  EpollTag listen_tag_{EpollTag::kListener};
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::unordered_map<Stream*, std::shared_ptr<Stream>> streams_;
+  std::vector<uint8_t> discard_;
+};
+
+class TcpTransport final : public Transport {
+ public:
+  TcpTransport() = default;
+  ~TcpTransport() override;
+
+  std::string_view name() const override { return "tcp"; }
+  TransportCaps capabilities() const override { return {}; }
+  Status start(const TransportContext& context) override;
+  void shutdown(const Status& reason) override;
+  Bytes local_address() const override;
+  std::string local_address_text() const override { return advertised_; }
+  Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) override;
+  bool is_connected(PeerId peer) const override;
+  Status post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                    std::vector<Segment> segments) override;
+  Status post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                   std::vector<Segment> segments) override;
+  Status post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                           Bytes payload) override;
+  void cancel(Transfer& transfer) override;
+
+  // --- used by workers ---
+  void on_accept(int listen_fd);
+  // Receives and handles frames until the socket would block.
+  void on_readable(Stream& s);
+  void on_writable(Stream& s);
+  // Marks the stream and its group failed, fails their transfers, closes fds.
+  void fail_stream(Stream& s, const Status& reason);
+
+ private:
+  Result<std::shared_ptr<Group>> open_group(const SocketAddress& address, PeerId expected_peer);
+  std::shared_ptr<Group> primary(PeerId peer) const;
+  Status enqueue(Group& group, std::vector<std::unique_ptr<TxFrame>> frames);
+  bool enqueue_on(Stream& s, std::unique_ptr<TxFrame> frame);
+  // Sends queued frames until EAGAIN; tx_mu held. False: the stream failed.
+  bool flush_locked(Stream& s, Status* error);
+  void flush(Stream& s);
+  void send_response(Stream& s, Op op, TransferId id, const Status& status);
+  void on_response(const std::shared_ptr<Pending>& p, const Status& status);
+  void finish_unit(const std::shared_ptr<Transfer>& t);
+  void fail_transfer(Transfer& t, const Status& status);
+
+  // Receive-side steps; each returns false when the socket would block or the
+  // stream failed (then `s.dead` is set).
+  bool rx_hello(Stream& s);
+  bool rx_header(Stream& s);
+  bool rx_aux(Stream& s);
+  bool rx_payload(Stream& s);
+  Status on_frame(Stream& s);
+  Status begin_write(Stream& s);
+  Status serve_read(Stream& s);
+  Status begin_read_response(Stream& s);
+  Status take_response(Stream& s, Op expect, std::shared_ptr<Pending>* out, bool pop);
+  void finish_payload(Stream& s);
+  void close_stream(Stream& s);
+  std::string peer_name(const Stream& s) const;
+
+  TransportContext ctx_;
+  TcpOptions opt_;
+  int listen_fd_ = -1;
+  SocketAddress bound_;
+  std::string advertised_;  // "ip:port,ip:port"
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::atomic<uint32_t> next_worker_{0};
+
+  mutable std::mutex mu_;
+  std::unordered_map<PeerId, std::shared_ptr<Group>> primary_;
+  std::map<std::pair<PeerId, uint64_t>, std::shared_ptr<Group>> groups_;
+  std::mutex connect_mu_;
+  bool stopped_ = false;
+};
+
+}  // namespace ferry::tcp

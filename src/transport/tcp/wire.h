@@ -1,0 +1,102 @@
+// The tcp transport's wire format (docs/protocol.md explains it in prose).
+//
+// Every stream starts with a Hello from the connecting side and a HelloReply
+// from the accepting side. After that both directions carry frames: a fixed
+// 32-byte FrameHeader, `aux_bytes` of auxiliary data (segment table, error
+// message or notification), then `payload_bytes` of data. Requests (WRITE,
+// READ_REQUEST, NOTIFY) may flow either way; each stream answers requests in
+// the order they arrived, so responses match the requester's FIFO.
+// All integers are little endian; structs are laid out without padding.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <span>
+
+#include "core/version.h"
+#include "ferry/status.h"
+
+namespace ferry::tcp {
+
+static_assert(std::endian::native == std::endian::little,
+              "the wire format is little endian; add byte swapping for this host");
+
+constexpr uint32_t kHelloMagic = 0x59525246;  // "FRRY"
+using ferry::kProtocolVersion;
+constexpr uint16_t kFrameMagic = 0xF7E5;
+
+struct Hello {
+  uint32_t magic;
+  uint16_t protocol_version;
+  uint16_t stream_index;
+  uint64_t engine_id;
+  uint64_t group_nonce;  // same for all streams of one connection group
+  uint16_t stream_count;
+  uint16_t reserved0;
+  uint32_t reserved1;
+};
+static_assert(sizeof(Hello) == 32);
+
+struct HelloReply {
+  uint32_t magic;
+  uint16_t protocol_version;
+  uint16_t status;  // StatusCode; non-zero: refused, message follows
+  uint64_t engine_id;
+  uint32_t message_bytes;
+  uint32_t reserved;
+};
+static_assert(sizeof(HelloReply) == 24);
+constexpr uint32_t kMaxHelloMessage = 1024;
+
+enum class Op : uint8_t {
+  kWrite = 1,         // request: segments in aux, payload follows
+  kWriteAck = 2,      // response: status (+ message in aux)
+  kReadRequest = 3,   // request: segments in aux
+  kReadResponse = 4,  // response: status; payload (or message in aux)
+  kNotify = 5,        // request: notification bytes in aux
+  kNotifyAck = 6,     // response: status
+};
+const char* op_name(uint8_t op);
+inline bool is_request(Op op) {
+  return op == Op::kWrite || op == Op::kReadRequest || op == Op::kNotify;
+}
+
+struct FrameHeader {
+  uint16_t magic;
+  uint8_t op;
+  uint8_t flags;
+  uint32_t count;  // segments in aux (WRITE, READ_REQUEST)
+  uint64_t transfer_id;
+  uint64_t payload_bytes;
+  uint32_t aux_bytes;
+  uint32_t status;  // StatusCode, responses only
+};
+static_assert(sizeof(FrameHeader) == 32);
+
+struct WireSegment {
+  uint64_t region_id;
+  uint64_t adv_offset;
+  uint64_t adv_length;
+  uint64_t key;
+  uint64_t offset;  // relative to the advertised start
+  uint64_t length;
+  uint8_t access;
+  uint8_t reserved[7];
+};
+static_assert(sizeof(WireSegment) == 56);
+
+// Hard limits a receiver enforces before trusting a header.
+constexpr uint32_t kMaxSegmentsPerFrame = 1024;
+constexpr uint64_t kMaxFramePayload = 256ull << 20;
+constexpr uint32_t kMaxNotificationBytes = 1u << 20;
+constexpr uint32_t kMaxErrorMessage = 4096;
+
+// Checks magic, opcode and the size fields of a header. Does not check the
+// segment table against the payload (see check_segments).
+Status validate_header(const FrameHeader& h);
+// Checks a WRITE / READ_REQUEST segment table: sizes add up without overflow
+// to the header's payload_bytes (WRITE) or to at most kMaxFramePayload.
+Status check_segments(const FrameHeader& h, std::span<const WireSegment> segments,
+                      uint64_t* total_bytes);
+
+}  // namespace ferry::tcp

@@ -1,0 +1,98 @@
+// The transport interface (DESIGN.md §2): the narrow contract between core and
+// each way of moving bytes (tcp now; shm, cuda_ipc, fabric later).
+//
+// Core validates every request locally (local region, descriptor range,
+// access) and hands the transport a list of Segments. The transport moves the
+// bytes, has the target re-validate each segment against its registry, and
+// completes the Transfer exactly once (Transfer::complete; later calls are
+// ignored). Transports own their I/O threads; they never call user code.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/options.h"
+#include "core/region_registry.h"
+#include "core/transfer.h"
+#include "ferry/status.h"
+#include "ferry/types.h"
+
+namespace ferry {
+
+// One contiguous piece of a transfer, already checked by the initiator.
+struct Segment {
+  uint8_t* local = nullptr;
+  uint64_t length = 0;
+  RemoteAccessRequest remote;  // re-checked by the target
+};
+
+// What the transport tells core about (called from transport threads).
+class TransportEvents {
+ public:
+  virtual ~TransportEvents() = default;
+  virtual void on_notification(PeerId peer, Bytes payload) = 0;
+  virtual void on_peer_up(PeerId peer) = 0;
+  virtual void on_peer_down(PeerId peer, const Status& reason) = 0;
+};
+
+struct TransportContext {
+  uint64_t engine_id = 0;
+  std::string listen;  // "host:port" from EngineConfig
+  RegionRegistry* registry = nullptr;
+  TransportEvents* events = nullptr;
+  const OptionSet* options = nullptr;
+};
+
+struct TransportCaps {
+  bool host_memory = true;
+  bool cuda_memory = false;
+  bool same_host_only = false;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string_view name() const = 0;
+  virtual TransportCaps capabilities() const = 0;
+
+  virtual Status start(const TransportContext& context) = 0;
+  // Stops I/O threads; every transfer still in flight completes with `reason`.
+  virtual void shutdown(const Status& reason) = 0;
+
+  // Address bytes for our metadata; the peer passes them to connect().
+  virtual Bytes local_address() const = 0;
+  // Human-readable form of local_address(), for logs and tools.
+  virtual std::string local_address_text() const = 0;
+  // Connects (blocking, bounded by the transport's connect timeout) and
+  // returns the remote engine id. `expected_peer` 0 accepts any engine.
+  virtual Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) = 0;
+  virtual bool is_connected(PeerId peer) const = 0;
+
+  // Data movement. The transfer's `outstanding` and completion are the
+  // transport's to manage from here on.
+  virtual Status post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                            std::vector<Segment> segments) = 0;
+  virtual Status post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                           std::vector<Segment> segments) = 0;
+  virtual Status post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                                   Bytes payload) = 0;
+  // After this returns no more bytes of `transfer` move into local memory and
+  // none of its frames is still reading local memory.
+  virtual void cancel(Transfer& transfer) = 0;
+};
+
+// Self-registration: each transport folder has a small *_plugin.cc that adds
+// itself here; core looks transports up by name (no #ifdef chains).
+struct TransportRegistration {
+  std::string name;
+  std::unique_ptr<Transport> (*create)();
+  std::span<const OptionSpec> options;
+};
+bool register_transport(TransportRegistration registration);
+const std::vector<TransportRegistration>& registered_transports();
+const TransportRegistration* find_transport(std::string_view name);
+
+}  // namespace ferry
