@@ -1,0 +1,67 @@
+"""Ferry: a point-to-point transfer engine.
+
+Move bytes between memory regions of different processes with one-sided
+WRITE/READ, batched scatter-gather and completion notifications::
+
+    import ferry, numpy as np
+
+    engine = ferry.Engine()                      # listens on 127.0.0.1:<free port>
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    region = engine.register(buf)                # keeps `buf` alive
+    desc = region.advertise()                    # 64 bytes: send to the peer
+    meta = engine.metadata()                     # bytes: send to the peer
+
+    # on the peer:
+    peer = other_engine.connect(meta)
+    peer.write([(src_region, 0, 4096)], [(desc, 0, 4096)], notify=b"done")
+
+See docs/python.md for the guide, and ``ferry.compat.uccl`` for a drop-in
+replacement of UCCL's ``p2p.Endpoint``.
+"""
+from __future__ import annotations
+
+from . import _ferry
+from ._ferry import (
+    ACCESS_READ,
+    ACCESS_READ_WRITE,
+    ACCESS_WRITE,
+    DESCRIPTOR_SIZE,
+    Descriptor,
+    Engine,
+    MemoryKind,
+    Peer,
+    Region,
+    StatusCode,
+    Transfer,
+    protocol_version,
+    version,
+)
+from ._errors import (
+    ERROR_CLASSES,
+    Busy,
+    Cancelled,
+    FerryError,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+    OutOfRange,
+    PeerDisconnected,
+    PermissionDenied,
+    ProtocolError,
+    Timeout,
+    error_for,
+)
+
+_ferry._set_error_classes({int(code): cls for code, cls in ERROR_CLASSES.items()})
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACCESS_READ", "ACCESS_READ_WRITE", "ACCESS_WRITE", "DESCRIPTOR_SIZE",
+    "Descriptor", "Engine", "MemoryKind", "Peer", "Region", "StatusCode", "Transfer",
+    "protocol_version", "version",
+    "FerryError", "Busy", "Cancelled", "InternalError", "InvalidArgument", "NotFound",
+    "NotSupported", "OutOfRange", "PeerDisconnected", "PermissionDenied", "ProtocolError",
+    "Timeout", "error_for",
+]
