@@ -53,6 +53,8 @@ from ._errors import (
     error_for,
 )
 
+from ._metadata import MetadataInfo, parse_metadata
+
 _ferry._set_error_classes({int(code): cls for code, cls in ERROR_CLASSES.items()})
 
 __version__ = "0.1.0"
@@ -63,5 +65,5 @@ __all__ = [
     "protocol_version", "version",
     "FerryError", "Busy", "Cancelled", "InternalError", "InvalidArgument", "NotFound",
     "NotSupported", "OutOfRange", "PeerDisconnected", "PermissionDenied", "ProtocolError",
-    "Timeout", "error_for",
+    "Timeout", "error_for", "MetadataInfo", "parse_metadata",
 ]
