@@ -76,6 +76,12 @@ class InternalError(FerryError):
     code = StatusCode.Internal
 
 
+for _cls in (FerryError, InvalidArgument, NotFound, PermissionDenied, OutOfRange,
+             PeerDisconnected, Timeout, Cancelled, NotSupported, Busy, ProtocolError,
+             InternalError):
+    _cls.__module__ = "ferry"
+del _cls
+
 ERROR_CLASSES = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, PermissionDenied, OutOfRange, PeerDisconnected,

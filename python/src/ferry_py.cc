@@ -780,6 +780,7 @@ struct PyPeer {
   // remote: list of (descriptor[, offset[, length]]) or one such entry.
   nb::object transfer(Op op, nb::handle local, nb::handle remote, nb::handle notify,
                       std::optional<double> timeout, bool async_) {
+    (void)box->get();  // a closed engine is the first thing to report
     nb::object local_list = as_entry_list(local, /*remote=*/false);
     nb::object remote_list = as_entry_list(remote, /*remote=*/true);
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(local_list.ptr());
@@ -917,6 +918,7 @@ struct PyPeer {
   nb::object batch(Op op, PyRegion* region, nb::handle local_offsets, nb::handle descriptors,
                    nb::handle desc_index, nb::handle remote_offsets, nb::handle lengths,
                    nb::handle notify, std::optional<double> timeout, bool async_) {
+    (void)box->get();
     Holder holder;
     char* base = nullptr;
     uint64_t rlen = 0;
