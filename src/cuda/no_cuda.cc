@@ -1,1 +1,94 @@
-// Placeholder: GPU entry points for builds without CUDA are added by the GPU support work.
+// The GPU entry points of a build without CUDA: each answers NotSupported
+// (or "host memory" for the kind detector) with the reason, so callers need
+// no #ifdefs.
+#include <string>
+
+#include "cuda/cuda_detect.h"
+#include "ferry/gpu.h"
+
+namespace ferry {
+namespace {
+constexpr const char* kReason = "built without CUDA support";
+}  // namespace
+
+bool cuda_available(std::string* reason) {
+  if (reason != nullptr) *reason = kReason;
+  return false;
+}
+
+int cuda_device_count() {
+  return 0;
+}
+
+std::string_view cuda_memory_type_name(CudaMemoryType type) {
+  switch (type) {
+    case CudaMemoryType::kPageableHost:
+      return "pageable host";
+    case CudaMemoryType::kPinnedHost:
+      return "pinned host";
+    case CudaMemoryType::kDevice:
+      return "device";
+    case CudaMemoryType::kDevicePool:
+      return "device (stream-ordered pool)";
+    case CudaMemoryType::kDeviceVmm:
+      return "device (cuMem VMM)";
+    case CudaMemoryType::kManaged:
+      return "managed";
+  }
+  return "unknown";
+}
+
+Result<CudaPointerInfo> cuda_pointer_info(const void*) {
+  return err::NotSupported(kReason);
+}
+
+MemoryKindInfo cuda_detect_memory_kind(const void*) {
+  return MemoryKindInfo{};
+}
+
+struct CopyStream::Impl {
+  int device = 0;
+  CopyOptions opts;
+};
+
+CopyStream::CopyStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CopyStream::~CopyStream() = default;
+
+Result<std::unique_ptr<CopyStream>> CopyStream::create(int, CopyOptions) {
+  return err::NotSupported(kReason);
+}
+
+// Unreachable (no CopyStream can be created), but defined for the linker.
+Result<uint64_t> CopyStream::submit(std::span<const CopyBlock>) {
+  return err::NotSupported(kReason);
+}
+Status CopyStream::poll(uint64_t) {
+  return err::NotSupported(kReason);
+}
+Status CopyStream::wait(uint64_t, std::chrono::milliseconds) {
+  return err::NotSupported(kReason);
+}
+uint64_t CopyStream::completed_through() {
+  return 0;
+}
+uint64_t CopyStream::last_submitted() const {
+  return 0;
+}
+int CopyStream::device() const {
+  return impl_->device;
+}
+const CopyOptions& CopyStream::options() const {
+  return impl_->opts;
+}
+void* CopyStream::native_stream() const {
+  return nullptr;
+}
+CopyStreamStats CopyStream::stats() {
+  return {};
+}
+
+Status copy_blocks(std::span<const CopyBlock>, const CopyOptions&, int) {
+  return err::NotSupported(kReason);
+}
+
+}  // namespace ferry

@@ -1,0 +1,112 @@
+// GPU support: run-time detection and the local batched copy (host<->GPU,
+// GPU<->GPU, many small blocks per call, stream-ordered).
+//
+// Every entry point is present in every build. In a build without CUDA, or on
+// a machine without a usable GPU/driver, they answer NotSupported with the
+// reason ("built without CUDA support", "no CUDA device: ...").
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "ferry/status.h"
+
+namespace ferry {
+
+// True when this build has CUDA support and at least one device answers.
+// Otherwise false, and `reason` (if given) says why.
+bool cuda_available(std::string* reason = nullptr);
+
+// Number of visible CUDA devices; 0 without CUDA support, driver or device.
+int cuda_device_count();
+
+// One block of a batched copy. Any direction: host<->device, device<->device
+// (same or peer GPU). The blocks of one batch must not overlap each other.
+struct CopyBlock {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  uint64_t size = 0;
+};
+
+struct CopyOptions {
+  // Most SMs the gather/scatter kernel may occupy: it launches at most this
+  // many CTAs (one per SM), so it never holds more SMs than this. 0 = never
+  // use the kernel; every block goes to the copy engine.
+  uint32_t sm_budget = 16;
+  // Blocks smaller than this go to the SM kernel (when sm_budget > 0); the
+  // rest to the copy engine. Host memory on the kernel path must be pinned
+  // (cudaHostAlloc / cudaHostRegister).
+  uint64_t kernel_max_block = 256 * 1024;
+  // Copy-engine blocks: one cudaMemcpyBatchAsync (CUDA >= 12.8) when true, a
+  // cudaMemcpyAsync per block otherwise (and always on older CUDA).
+  bool use_batch_api = true;
+};
+
+// What a CopyStream did so far (for tests, benchmarks, ferry-info).
+struct CopyStreamStats {
+  uint64_t batches = 0;          // submit() calls that enqueued work
+  uint64_t kernel_blocks = 0;    // blocks moved by the SM kernel
+  uint64_t engine_blocks = 0;    // blocks moved by the copy engine
+  uint64_t kernel_launches = 0;  // kernel launches (a large batch is pipelined)
+  uint32_t max_ctas = 0;         // largest grid launched
+  uint32_t sms_used = 0;         // distinct SMs the kernel's CTAs ran on
+};
+
+// One-shot batched copy on `device`: enqueues on a per-device shared stream
+// (with these options) and waits for it. Same validation as CopyStream::submit.
+Status copy_blocks(std::span<const CopyBlock> blocks, const CopyOptions& options = {},
+                   int device = 0);
+
+// An ordered copy stream: batches run in submission order on one CUDA stream
+// and complete in that order. Thread-safe. Every pointer in a batch must stay
+// valid until its ticket completes.
+class CopyStream {
+ public:
+  // Creates a stream on `device`. NotSupported without CUDA/GPU,
+  // InvalidArgument for a bad device ordinal.
+  static Result<std::unique_ptr<CopyStream>> create(int device = 0, CopyOptions options = {});
+
+  ~CopyStream();
+  CopyStream(const CopyStream&) = delete;
+  CopyStream& operator=(const CopyStream&) = delete;
+
+  // Validates and enqueues a batch; returns its ticket (1, 2, 3, ...). Blocks
+  // that are invalid (null pointer with size > 0, pageable host memory on the
+  // kernel path) fail the whole call with InvalidArgument naming the block
+  // index and pointer, and nothing is enqueued.
+  Result<uint64_t> submit(std::span<const CopyBlock> blocks);
+
+  // Ok once the batch is done, InProgress while it runs, the error if the
+  // stream failed, InvalidArgument for a ticket never issued.
+  Status poll(uint64_t ticket);
+
+  // Waits until the batch is done, up to `timeout` (Timeout then; the copy
+  // goes on).
+  Status wait(uint64_t ticket, std::chrono::milliseconds timeout);
+
+  // Highest ticket such that it and every earlier one are done.
+  uint64_t completed_through();
+  // Last ticket issued (0 before the first submit).
+  uint64_t last_submitted() const;
+
+  int device() const;
+  const CopyOptions& options() const;
+  // The underlying cudaStream_t, so callers can order other work after it
+  // (cudaEventRecord / cudaStreamWaitEvent). Owned by this object.
+  void* native_stream() const;
+
+  // Counters; reading sms_used waits for the work already enqueued.
+  CopyStreamStats stats();
+
+  struct Impl;
+
+ private:
+  friend Status copy_blocks(std::span<const CopyBlock>, const CopyOptions&, int);
+  explicit CopyStream(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,23 @@
+// Copy-engine path: many (dst, src, size) copies enqueued in one call.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "ferry/status.h"
+
+namespace ferry::cuda {
+
+// True when this build can call cudaMemcpyBatchAsync (CUDA runtime >= 12.8).
+bool batch_api_compiled();
+
+// Enqueues `count` copies on `stream` (not the legacy default stream). With
+// `use_batch_api` and CUDA >= 12.8: one cudaMemcpyBatchAsync, falling back to
+// the loop if the driver refuses it as unsupported; otherwise one
+// cudaMemcpyAsync(cudaMemcpyDefault) per copy. Source accesses are stream
+// ordered. Errors name the failing copy's index where the runtime says it.
+Status memcpy_batch(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
+                    bool use_batch_api, cudaStream_t stream);
+
+}  // namespace ferry::cuda

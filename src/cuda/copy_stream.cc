@@ -1,0 +1,559 @@
+// CopyStream: routes each block of a batch to the SM gather kernel (small
+// blocks, device-accessible memory) or the copy engine (large blocks, peer
+// GPUs, pageable host memory), enqueues both on one ordered stream and hands
+// out tickets that complete in submission order.
+//
+// Kernel descriptors are written straight into a mapped pinned staging buffer
+// that the kernel reads (no separate descriptor upload). A large batch is
+// launched in geometrically growing slices while the host still classifies
+// the rest, so the GPU starts within microseconds instead of after the whole
+// batch has been walked.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/batch_api.h"
+#include "cuda/cuda_detect.h"
+#include "cuda/cuda_util.h"
+#include "cuda/gather_kernel.h"
+#include "ferry/gpu.h"
+
+namespace ferry {
+namespace {
+
+using cuda::CopyDesc;
+using cuda::cuda_status;
+
+// Kernel work item: larger kernel-path blocks are split so that warps share
+// the work of a few big blocks.
+constexpr uint64_t kChunk = 16 * 1024;
+// Descriptors in the first launched slice of a batch; each next slice doubles
+// up to kMaxSlice, so a batch costs a handful of launches.
+constexpr uint32_t kFirstSlice = 1024;
+constexpr uint32_t kMaxSlice = 1u << 15;
+// Submissions in flight before submit() waits for the oldest.
+constexpr size_t kMaxPending = 1024;
+
+std::string hex(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+
+// What the kernel path needs to know about one allocation.
+struct Span {
+  uint64_t lo = 0, hi = 0;  // [lo, hi) host/UVA addresses; hi == 0: unknown extent
+  CudaMemoryType type = CudaMemoryType::kPageableHost;
+  int device = -1;
+  int64_t delta = 0;  // device address - host address (0 under UVA)
+  bool mapped = true;
+};
+
+// Per-submit cache of pointer classifications: within one call the caller's
+// buffers cannot change, so one driver query per allocation suffices.
+class Classifier {
+ public:
+  // Returns the span containing [p, p+n) or an error naming why not.
+  Result<const Span*> find(const void* p, uint64_t n) {
+    const uint64_t a = reinterpret_cast<uint64_t>(p);
+    if (mru_ != nullptr && a >= mru_->lo && a + n <= mru_->hi) return mru_;
+    auto it = spans_.upper_bound(a);
+    if (it != spans_.begin()) {
+      --it;
+      if (a >= it->second.lo && a < it->second.hi) {
+        mru_ = &it->second;
+        return mru_;
+      }
+    }
+    Result<CudaPointerInfo> r = cuda_pointer_info(p);
+    if (!r.ok()) return r.status();
+    Span s;
+    s.type = r->type;
+    s.device = r->device;
+    s.mapped = r->type == CudaMemoryType::kPageableHost || r->device_address != 0;
+    s.delta = r->device_address != 0 ? static_cast<int64_t>(r->device_address - a) : 0;
+    if (r->size != 0) {
+      s.lo = r->base;
+      s.hi = r->base + r->size;
+      s.delta = r->device_address != 0 ? static_cast<int64_t>(r->device_address - a) : 0;
+      auto [pos, inserted] = spans_.emplace(s.lo, s);
+      mru_ = &pos->second;
+      return mru_;
+    }
+    // Extent unknown (pageable memory, or no driver entry point): not cached.
+    scratch_ = s;
+    scratch_.lo = a;
+    scratch_.hi = a + n;
+    return &scratch_;
+  }
+
+ private:
+  std::map<uint64_t, Span> spans_;
+  const Span* mru_ = nullptr;
+  Span scratch_;
+};
+
+struct Staging {
+  CopyDesc* host = nullptr;
+  CopyDesc* dev = nullptr;
+  size_t cap = 0;
+};
+
+}  // namespace
+
+struct CopyStream::Impl {
+  int device = 0;
+  CopyOptions opts;
+  uint32_t sm_count = 0;
+  cudaStream_t stream = nullptr;     // the ordered stream; tickets live here
+  cudaStream_t ce_stream = nullptr;  // copy-engine half of a mixed batch
+  cudaEvent_t fork_ev = nullptr, join_ev = nullptr;
+  uint32_t* sm_mask = nullptr;  // device: SMs the kernel ran on
+
+  mutable std::mutex mu;
+  uint64_t last_ticket = 0;
+  uint64_t done_through = 0;
+  Status failed;  // sticky once the stream reports an error
+
+  struct Pending {
+    uint64_t ticket;
+    cudaEvent_t ev;
+    Staging staging;
+  };
+  std::deque<Pending> pending;
+  std::vector<cudaEvent_t> free_events;
+  std::vector<Staging> free_staging;
+  CopyStreamStats st;
+
+  std::vector<void*> ce_dst;
+  std::vector<const void*> ce_src;
+  std::vector<size_t> ce_size;
+
+  ~Impl() {
+    cuda::DeviceGuard g(device);
+    if (stream != nullptr) cudaStreamSynchronize(stream);
+    if (ce_stream != nullptr) cudaStreamSynchronize(ce_stream);
+    for (auto& p : pending) {
+      cudaEventDestroy(p.ev);
+      if (p.staging.host != nullptr) cudaFreeHost(p.staging.host);
+    }
+    for (auto e : free_events) cudaEventDestroy(e);
+    for (auto& s : free_staging) cudaFreeHost(s.host);
+    if (fork_ev != nullptr) cudaEventDestroy(fork_ev);
+    if (join_ev != nullptr) cudaEventDestroy(join_ev);
+    if (sm_mask != nullptr) cudaFree(sm_mask);
+    if (ce_stream != nullptr) cudaStreamDestroy(ce_stream);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    cudaGetLastError();
+  }
+
+  Status init() {
+    cuda::DeviceGuard g(device);
+    if (g.status() != cudaSuccess) return cuda_status(g.status(), "cudaSetDevice");
+    int n = 0;
+    cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return cuda_status(e, "cudaDeviceGetAttribute(MultiProcessorCount)");
+    sm_count = static_cast<uint32_t>(n);
+    if ((e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&ce_stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaMalloc(reinterpret_cast<void**>(&sm_mask), 8 * sizeof(uint32_t))) != cudaSuccess ||
+        (e = cudaMemsetAsync(sm_mask, 0, 8 * sizeof(uint32_t), stream)) != cudaSuccess) {
+      return cuda_status(e, "creating the copy stream");
+    }
+    return Status::Ok();
+  }
+
+  // Retires finished submissions in order. Caller holds mu.
+  Status retire() {
+    if (!failed.ok()) return failed;
+    while (!pending.empty()) {
+      Pending& p = pending.front();
+      cudaError_t e = cudaEventQuery(p.ev);
+      if (e == cudaErrorNotReady) break;
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        Status s = cuda_status(e, "copy stream");
+        failed = err::Internal("copy stream on device " + std::to_string(device) +
+                               " failed while running ticket " + std::to_string(p.ticket) + ": " +
+                               s.message());
+        return failed;
+      }
+      done_through = p.ticket;
+      free_events.push_back(p.ev);
+      if (p.staging.host != nullptr) release_staging(p.staging);
+      pending.pop_front();
+    }
+    return Status::Ok();
+  }
+
+  void release_staging(Staging s) {
+    if (free_staging.size() < 8) {
+      free_staging.push_back(s);
+    } else {
+      cudaFreeHost(s.host);
+    }
+  }
+
+  Result<Staging> acquire_staging(size_t n) {
+    // Best fit among the free buffers.
+    auto best = free_staging.end();
+    for (auto it = free_staging.begin(); it != free_staging.end(); ++it) {
+      if (it->cap >= n && (best == free_staging.end() || it->cap < best->cap)) best = it;
+    }
+    if (best != free_staging.end()) {
+      Staging s = *best;
+      free_staging.erase(best);
+      return s;
+    }
+    Staging s;
+    s.cap = std::bit_ceil(std::max<size_t>(n, 4096));
+    void* h = nullptr;
+    cudaError_t e =
+        cudaHostAlloc(&h, s.cap * sizeof(CopyDesc), cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return cuda_status(e, "cudaHostAlloc (descriptor staging)");
+    }
+    void* d = nullptr;
+    if ((e = cudaHostGetDevicePointer(&d, h, 0)) != cudaSuccess) {
+      cudaGetLastError();
+      cudaFreeHost(h);
+      return cuda_status(e, "cudaHostGetDevicePointer (descriptor staging)");
+    }
+    s.host = static_cast<CopyDesc*>(h);
+    s.dev = static_cast<CopyDesc*>(d);
+    return s;
+  }
+
+  Result<cudaEvent_t> acquire_event() {
+    if (!free_events.empty()) {
+      cudaEvent_t e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    cudaError_t r = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (r != cudaSuccess) return cuda_status(r, "cudaEventCreate");
+    return e;
+  }
+
+  // After a failure mid-batch: let what was already enqueued finish, so no
+  // copy of a rejected batch still runs when submit() returns.
+  Status abandon(Status why) {
+    cudaStreamSynchronize(stream);
+    cudaStreamSynchronize(ce_stream);
+    cudaGetLastError();
+    return why;
+  }
+
+  Result<uint64_t> submit(std::span<const CopyBlock> blocks, const CopyOptions& o);
+};
+
+Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, const CopyOptions& o) {
+  std::lock_guard<std::mutex> lock(mu);
+  cuda::DeviceGuard g(device);
+  if (g.status() != cudaSuccess) return cuda_status(g.status(), "cudaSetDevice");
+  if (Status s = retire(); !s.ok()) return s;
+  while (pending.size() >= kMaxPending) {  // back-pressure
+    cudaEventSynchronize(pending.front().ev);
+    if (Status s = retire(); !s.ok()) return s;
+  }
+
+  const uint32_t budget = std::min(o.sm_budget, sm_count);
+  const uint64_t kmax = budget == 0 ? 0 : o.kernel_max_block;
+  // Pass 1 (sizes only): an upper bound on kernel descriptors, and whether
+  // the batch mixes both paths (then the copy engine runs on its own stream,
+  // concurrently with the kernel).
+  size_t max_descs = 0;
+  bool any_ce = false;
+  for (const CopyBlock& b : blocks) {
+    if (b.size == 0) continue;
+    if (b.size < kmax) {
+      max_descs += (b.size + kChunk - 1) / kChunk;
+    } else {
+      any_ce = true;
+    }
+  }
+
+  Staging staging;
+  if (max_descs > 0) {
+    Result<Staging> r = acquire_staging(max_descs);
+    if (!r.ok()) return r.status();
+    staging = r.value();
+  }
+  // Returns the staging buffer on every early exit below.
+  struct StagingReturn {
+    Impl* self;
+    Staging* s;
+    ~StagingReturn() {
+      if (s->host != nullptr) self->release_staging(*s);
+    }
+  } staging_return{this, &staging};
+
+  const bool fork = max_descs > 0 && any_ce;
+  if (fork) {
+    cudaError_t e = cudaEventRecord(fork_ev, stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(ce_stream, fork_ev, 0);
+    if (e != cudaSuccess) return cuda_status(e, "forking the copy-engine stream");
+  }
+
+  ce_dst.clear();
+  ce_src.clear();
+  ce_size.clear();
+  Classifier cls;
+  size_t nd = 0;        // descriptors written
+  size_t launched = 0;  // descriptors already launched
+  size_t slice = kFirstSlice;
+  uint64_t kernel_blocks = 0;
+  uint64_t launches = 0;
+  uint32_t max_ctas = 0;
+
+  auto launch_pending = [&]() -> Status {
+    if (nd == launched) return Status::Ok();
+    uint32_t ctas = 0;
+    cudaError_t e =
+        cuda::launch_gather(staging.host + launched, staging.dev + launched,
+                            static_cast<uint32_t>(nd - launched), budget, sm_mask, stream, &ctas);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return cuda_status(e, "launching the gather kernel");
+    }
+    launched = nd;
+    ++launches;
+    max_ctas = std::max(max_ctas, ctas);
+    return Status::Ok();
+  };
+
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const CopyBlock& b = blocks[i];
+    if (b.size == 0) continue;
+    if (b.dst == nullptr || b.src == nullptr) {
+      return abandon(err::InvalidArgument("block " + std::to_string(i) + ": null " +
+                                          (b.dst == nullptr ? "dst" : "src") + " pointer (size " +
+                                          std::to_string(b.size) + ")"));
+    }
+    bool to_kernel = b.size < kmax;
+    uint64_t dst_dev = 0, src_dev = 0;
+    if (to_kernel) {
+      for (int side = 0; side < 2 && to_kernel; ++side) {
+        const void* p = side == 0 ? static_cast<const void*>(b.dst) : b.src;
+        const char* name = side == 0 ? "dst" : "src";
+        Result<const Span*> r = cls.find(p, b.size);
+        if (!r.ok()) {
+          return abandon(Status(r.status().code(), "block " + std::to_string(i) + ": " + name +
+                                                       " " + hex(p) + ": " + r.status().message()));
+        }
+        const Span& s = *r.value();
+        const uint64_t a = reinterpret_cast<uint64_t>(p);
+        if (s.type == CudaMemoryType::kPageableHost || !s.mapped) {
+          return abandon(err::InvalidArgument(
+              "block " + std::to_string(i) + ": " + name + " " + hex(p) + " is " +
+              (s.mapped ? "pageable host memory" : "pinned host memory not mapped for the GPU") +
+              "; blocks below kernel_max_block (" + std::to_string(kmax) +
+              " bytes) go through the SM copy kernel, which needs pinned, mapped memory "
+              "(cudaHostAlloc or cudaHostRegister); or set sm_budget=0 to use the copy engine"));
+        }
+        if (s.hi != 0 && a + b.size > s.hi) {
+          return abandon(
+              err::OutOfRange("block " + std::to_string(i) + ": " + name + " [" + hex(p) + ", +" +
+                              std::to_string(b.size) + ") runs past the end of its " +
+                              std::string(cuda_memory_type_name(s.type)) + " allocation (ends at " +
+                              hex(reinterpret_cast<const void*>(s.hi)) + ")"));
+        }
+        const bool other_gpu = s.type != CudaMemoryType::kPinnedHost &&
+                               s.type != CudaMemoryType::kManaged && s.device != device;
+        if (other_gpu) {
+          to_kernel = false;  // peer GPU memory: the copy engine reaches it without peer mappings
+        } else {
+          (side == 0 ? dst_dev : src_dev) =
+              static_cast<uint64_t>(static_cast<int64_t>(a) + s.delta);
+        }
+      }
+    }
+    if (!to_kernel) {
+      ce_dst.push_back(b.dst);
+      ce_src.push_back(b.src);
+      ce_size.push_back(b.size);
+      continue;
+    }
+    ++kernel_blocks;
+    for (uint64_t off = 0; off < b.size; off += kChunk) {
+      staging.host[nd++] = CopyDesc{dst_dev + off, src_dev + off, std::min(kChunk, b.size - off)};
+    }
+    if (nd - launched >= slice) {
+      if (Status s = launch_pending(); !s.ok()) return abandon(s);
+      slice = std::min<size_t>(slice * 2, kMaxSlice);
+    }
+  }
+  if (Status s = launch_pending(); !s.ok()) return abandon(s);
+
+  if (!ce_size.empty()) {
+    cudaStream_t cs = fork ? ce_stream : stream;
+    Status s = cuda::memcpy_batch(ce_dst.data(), ce_src.data(), ce_size.data(), ce_size.size(),
+                                  o.use_batch_api, cs);
+    if (!s.ok()) return abandon(s);
+  }
+  if (fork) {
+    cudaError_t e = cudaEventRecord(join_ev, ce_stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, join_ev, 0);
+    if (e != cudaSuccess) return abandon(cuda_status(e, "joining the copy-engine stream"));
+  }
+
+  Result<cudaEvent_t> ev = acquire_event();
+  if (!ev.ok()) return abandon(ev.status());
+  if (cudaError_t e = cudaEventRecord(ev.value(), stream); e != cudaSuccess) {
+    free_events.push_back(ev.value());
+    return abandon(cuda_status(e, "cudaEventRecord"));
+  }
+  const uint64_t ticket = ++last_ticket;
+  pending.push_back(Pending{ticket, ev.value(), nd > 0 ? staging : Staging{}});
+  if (nd > 0) {
+    staging = Staging{};  // now owned by the pending entry
+  }
+  ++st.batches;
+  st.kernel_blocks += kernel_blocks;
+  st.engine_blocks += ce_size.size();
+  st.kernel_launches += launches;
+  st.max_ctas = std::max(st.max_ctas, max_ctas);
+  return ticket;
+}
+
+// ---- CopyStream ------------------------------------------------------------
+
+CopyStream::CopyStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CopyStream::~CopyStream() = default;
+
+Result<std::unique_ptr<CopyStream>> CopyStream::create(int device, CopyOptions options) {
+  std::string reason;
+  if (!cuda_available(&reason)) return err::NotSupported(reason);
+  const int n = cuda_device_count();
+  if (device < 0 || device >= n) {
+    return err::InvalidArgument("CUDA device " + std::to_string(device) + " out of range (" +
+                                std::to_string(n) + " device(s) visible)");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->device = device;
+  impl->opts = options;
+  if (Status s = impl->init(); !s.ok()) return s;
+  return std::unique_ptr<CopyStream>(new CopyStream(std::move(impl)));
+}
+
+Result<uint64_t> CopyStream::submit(std::span<const CopyBlock> blocks) {
+  return impl_->submit(blocks, impl_->opts);
+}
+
+Status CopyStream::poll(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (ticket == 0 || ticket > impl_->last_ticket) {
+    return err::InvalidArgument("unknown copy ticket " + std::to_string(ticket) +
+                                " (last issued: " + std::to_string(impl_->last_ticket) + ")");
+  }
+  if (ticket <= impl_->done_through) return Status::Ok();
+  cuda::DeviceGuard g(impl_->device);
+  if (Status s = impl_->retire(); !s.ok()) return s;
+  if (ticket <= impl_->done_through) return Status::Ok();
+  return Status(StatusCode::kInProgress, "");
+}
+
+Status CopyStream::wait(uint64_t ticket, std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const bool forever = timeout.count() < 0 || timeout > std::chrono::hours(24 * 365);
+  auto nap = std::chrono::microseconds(0);
+  for (;;) {
+    Status s = poll(ticket);
+    if (s.code() != StatusCode::kInProgress) return s;
+    const auto waited = Clock::now() - start;
+    if (!forever && waited >= timeout) {
+      return err::Timeout("copy ticket " + std::to_string(ticket) + " not done after " +
+                          std::to_string(timeout.count()) + " ms (done through " +
+                          std::to_string(completed_through()) + "); the copy goes on");
+    }
+    // Spin briefly (copies often finish in microseconds), then back off.
+    if (nap.count() == 0) {
+      std::this_thread::yield();
+      if (waited > std::chrono::microseconds(50)) nap = std::chrono::microseconds(10);
+    } else {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(500));
+    }
+  }
+}
+
+uint64_t CopyStream::completed_through() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  cuda::DeviceGuard g(impl_->device);
+  (void)impl_->retire();
+  return impl_->done_through;
+}
+
+uint64_t CopyStream::last_submitted() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->last_ticket;
+}
+
+int CopyStream::device() const {
+  return impl_->device;
+}
+const CopyOptions& CopyStream::options() const {
+  return impl_->opts;
+}
+void* CopyStream::native_stream() const {
+  return impl_->stream;
+}
+
+CopyStreamStats CopyStream::stats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  CopyStreamStats s = impl_->st;
+  cuda::DeviceGuard g(impl_->device);
+  uint32_t mask[8] = {};
+  if (cudaMemcpyAsync(mask, impl_->sm_mask, sizeof mask, cudaMemcpyDeviceToHost, impl_->stream) ==
+          cudaSuccess &&
+      cudaStreamSynchronize(impl_->stream) == cudaSuccess) {
+    for (uint32_t w : mask) s.sms_used += static_cast<uint32_t>(std::popcount(w));
+  } else {
+    cudaGetLastError();
+  }
+  return s;
+}
+
+Status copy_blocks(std::span<const CopyBlock> blocks, const CopyOptions& options, int device) {
+  std::string reason;
+  if (!cuda_available(&reason)) return err::NotSupported(reason);
+  if (device < 0 || device >= cuda_device_count()) {
+    return err::InvalidArgument("CUDA device " + std::to_string(device) + " out of range (" +
+                                std::to_string(cuda_device_count()) + " device(s) visible)");
+  }
+  // One shared stream per device, created on first use and never destroyed
+  // (destroying it during static teardown would race the CUDA runtime's own).
+  static std::mutex mu;
+  static std::vector<CopyStream*> streams;
+  CopyStream* cs = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (streams.size() <= static_cast<size_t>(device)) streams.resize(device + 1, nullptr);
+    if (streams[device] == nullptr) {
+      Result<std::unique_ptr<CopyStream>> r = CopyStream::create(device, options);
+      if (!r.ok()) return r.status();
+      streams[device] = std::move(r).value().release();
+    }
+    cs = streams[device];
+  }
+  Result<uint64_t> t = cs->impl_->submit(blocks, options);
+  if (!t.ok()) return t.status();
+  return cs->wait(t.value(), std::chrono::milliseconds(-1));
+}
+
+}  // namespace ferry

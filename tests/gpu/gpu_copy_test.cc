@@ -1,0 +1,439 @@
+// Batched copy on a real GPU: every direction x block size x misaligned
+// offsets x path (kernel, copy engine batch, copy engine loop, automatic),
+// random data, poisoned destinations, every byte of the destination buffer
+// checked (so bytes next to each block must be untouched). Plus ordering,
+// SM budget, and rejection of invalid input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_detect.h"
+#include "ferry/gpu.h"
+#include "gpu_test_util.h"
+
+namespace ferry {
+namespace {
+
+using ferry::testing::Buffer;
+using ferry::testing::GpuTest;
+using ferry::testing::Mem;
+using ferry::testing::mem_name;
+using std::chrono::milliseconds;
+
+constexpr uint64_t kSizes[] = {1, 3, 4096, 4100, 16 << 10, 64 << 10, (1 << 20) + 5};
+constexpr milliseconds kWait{60000};
+
+uint8_t poison(size_t i) {
+  return static_cast<uint8_t>(0x5A ^ (i * 131));
+}
+
+struct Mode {
+  const char* name;
+  CopyOptions opts;
+};
+
+std::vector<Mode> modes() {
+  CopyOptions automatic;  // defaults
+  CopyOptions kernel;
+  kernel.sm_budget = 8;
+  kernel.kernel_max_block = UINT64_MAX;
+  CopyOptions one_cta = kernel;
+  one_cta.sm_budget = 1;
+  CopyOptions batch;
+  batch.sm_budget = 0;
+  CopyOptions loop = batch;
+  loop.use_batch_api = false;
+  return {{"auto", automatic},
+          {"kernel8", kernel},
+          {"kernel1", one_cta},
+          {"engine-batch", batch},
+          {"engine-loop", loop}};
+}
+
+// Copies `nblocks` blocks of `size` bytes from a `src_kind` buffer into a
+// `dst_kind` buffer at random offsets (independent alignments of source and
+// destination), in shuffled order, and checks the whole destination buffer.
+void check_copy(CopyStream& cs, Mem src_kind, Mem dst_kind, uint64_t size, std::mt19937_64& rng) {
+  const size_t nblocks = size >= (1 << 20) ? 4 : size >= (64 << 10) ? 12 : 48;
+  const size_t stride = (size + 64 + 63) / 64 * 64;
+  const size_t total = nblocks * stride + 64;
+  Buffer src(src_kind, total), dst(dst_kind, total);
+  ASSERT_TRUE(src.ok() && dst.ok());
+
+  std::vector<uint8_t> src_host(total), expect(total);
+  for (auto& b : src_host) b = static_cast<uint8_t>(rng());
+  for (size_t i = 0; i < total; ++i) expect[i] = poison(i);
+  src.upload(src_host.data());
+  dst.upload(expect.data());
+
+  std::vector<CopyBlock> blocks;
+  for (size_t b = 0; b < nblocks; ++b) {
+    const size_t soff = b * stride + rng() % 32;
+    const size_t doff = b * stride + rng() % 32;
+    blocks.push_back({dst.data() + doff, src.data() + soff, size});
+    std::memcpy(expect.data() + doff, src_host.data() + soff, size);
+  }
+  std::shuffle(blocks.begin(), blocks.end(), rng);
+
+  Result<uint64_t> t = cs.submit(blocks);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  Status s = cs.wait(t.value(), kWait);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+
+  std::vector<uint8_t> got(total);
+  dst.download(got.data());
+  auto [g, e] = std::mismatch(got.begin(), got.end(), expect.begin());
+  if (g != got.end()) {
+    const size_t at = static_cast<size_t>(g - got.begin());
+    FAIL() << "first wrong byte at dst offset " << at << " (slot " << at / stride << ", byte "
+           << at % stride << " of the slot): got " << int(*g) << " expected " << int(*e)
+           << (*e == poison(at) ? " (poison: written outside a block?)" : "");
+  }
+}
+
+struct Direction {
+  const char* name;
+  Mem src, dst;
+};
+
+constexpr Direction kDirections[] = {
+    {"H2D", Mem::kPinned, Mem::kDevice},
+    {"D2H", Mem::kDevice, Mem::kPinned},
+    {"D2D", Mem::kDevice, Mem::kDevice},
+    {"H2D-registered", Mem::kRegistered, Mem::kDevice},
+    {"D2H-registered", Mem::kDevice, Mem::kRegistered},
+    {"H2H-pinned", Mem::kPinned, Mem::kPinned},
+    {"managed-to-device", Mem::kManaged, Mem::kDevice},
+};
+
+class GpuCopyMatrix : public GpuTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(GpuCopyMatrix, EveryDirectionSizeAndAlignment) {
+  const Mode mode = modes()[GetParam()];
+  Result<std::unique_ptr<CopyStream>> cs = CopyStream::create(0, mode.opts);
+  ASSERT_TRUE(cs.ok()) << cs.status().to_string();
+  std::mt19937_64 rng(0xF3A7 + GetParam());
+  for (const Direction& d : kDirections) {
+    for (uint64_t size : kSizes) {
+      SCOPED_TRACE(std::string(mode.name) + " " + d.name + " " + mem_name(d.src) + "->" +
+                   mem_name(d.dst) + " block " + std::to_string(size));
+      check_copy(*cs.value(), d.src, d.dst, size, rng);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+  CopyStreamStats st = cs.value()->stats();
+  if (mode.opts.sm_budget == 0) {
+    EXPECT_EQ(st.kernel_blocks, 0u);
+  } else {
+    EXPECT_GT(st.kernel_blocks, 0u);
+    EXPECT_LE(st.max_ctas, mode.opts.sm_budget);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, GpuCopyMatrix, ::testing::Range(0, 5),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           std::string n = modes()[i.param].name;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
+
+// One batch mixing every size and both directions: kernel and copy engine
+// run concurrently on two streams and must both be done at the ticket.
+TEST_F(GpuTest, MixedBatchBothPathsBothDirections) {
+  Result<std::unique_ptr<CopyStream>> cs = CopyStream::create(0, CopyOptions{});
+  ASSERT_TRUE(cs.ok()) << cs.status().to_string();
+  const size_t n = 8 << 20;
+  Buffer host_a(Mem::kPinned, n), dev_a(Mem::kDevice, n), host_b(Mem::kPinned, n),
+      dev_b(Mem::kDevice, n);
+  std::mt19937_64 rng(7);
+  std::vector<uint8_t> a(n), b(n), exp_dev(n), exp_host(n);
+  for (auto& x : a) x = static_cast<uint8_t>(rng());
+  for (auto& x : b) x = static_cast<uint8_t>(rng());
+  for (size_t i = 0; i < n; ++i) exp_dev[i] = exp_host[i] = poison(i);
+  host_a.upload(a.data());
+  dev_b.upload(b.data());
+  dev_a.upload(exp_dev.data());
+  host_b.upload(exp_host.data());
+  std::vector<CopyBlock> blocks;
+  size_t off = 0;
+  for (int rep = 0; rep < 6; ++rep) {
+    for (uint64_t size : kSizes) {
+      const size_t o = off + rng() % 16;
+      if (o + size + 64 > n) break;
+      blocks.push_back({dev_a.data() + o, host_a.data() + o, size});  // H2D
+      blocks.push_back({host_b.data() + o, dev_b.data() + o, size});  // D2H
+      std::memcpy(exp_dev.data() + o, a.data() + o, size);
+      std::memcpy(exp_host.data() + o, b.data() + o, size);
+      off = o + size + 32;
+    }
+  }
+  std::shuffle(blocks.begin(), blocks.end(), rng);
+  Result<uint64_t> t = cs.value()->submit(blocks);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  ASSERT_TRUE(cs.value()->wait(t.value(), kWait).ok());
+  std::vector<uint8_t> got(n);
+  dev_a.download(got.data());
+  EXPECT_TRUE(got == exp_dev) << "H2D half wrong";
+  host_b.download(got.data());
+  EXPECT_TRUE(got == exp_host) << "D2H half wrong";
+  CopyStreamStats st = cs.value()->stats();
+  EXPECT_GT(st.kernel_blocks, 0u);
+  EXPECT_GT(st.engine_blocks, 0u);
+}
+
+// Each submission copies region k-1 into region k: only in-order execution
+// yields the original bytes in the last region. Completions must be seen in
+// submission order.
+TEST_F(GpuTest, CopyStreamRunsAndCompletesInOrder) {
+  for (uint32_t budget : {0u, 4u}) {
+    CopyOptions o;
+    o.sm_budget = budget;
+    Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, o);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    CopyStream& cs = *r.value();
+    constexpr int kSteps = 300;
+    constexpr size_t kRegion = 64 << 10;  // 16 blocks of 4 KiB
+    Buffer dev(Mem::kDevice, kRegion * (kSteps + 1)), host(Mem::kPinned, kRegion);
+    std::vector<uint8_t> data(kRegion);
+    std::mt19937_64 rng(budget);
+    for (auto& x : data) x = static_cast<uint8_t>(rng());
+    ASSERT_EQ(cudaMemcpy(dev.data(), data.data(), kRegion, cudaMemcpyHostToDevice), cudaSuccess);
+    std::vector<uint64_t> tickets;
+    uint64_t last_done = 0;
+    for (int k = 1; k <= kSteps; ++k) {
+      std::vector<CopyBlock> blocks;
+      for (size_t i = 0; i < kRegion / 4096; ++i) {
+        blocks.push_back(
+            {dev.data() + k * kRegion + i * 4096, dev.data() + (k - 1) * kRegion + i * 4096, 4096});
+      }
+      Result<uint64_t> t = cs.submit(blocks);
+      ASSERT_TRUE(t.ok()) << t.status().to_string();
+      ASSERT_EQ(t.value(), static_cast<uint64_t>(k)) << "tickets count 1, 2, 3, ...";
+      tickets.push_back(t.value());
+      // Poll a random earlier ticket: if it is done, every one before it is.
+      const uint64_t probe = tickets[rng() % tickets.size()];
+      Status p = cs.poll(probe);
+      ASSERT_TRUE(p.ok() || p.code() == StatusCode::kInProgress) << p.to_string();
+      const uint64_t through = cs.completed_through();
+      ASSERT_GE(through, last_done) << "completed_through went backwards";
+      last_done = through;
+      if (p.ok()) {
+        ASSERT_GE(through, probe);
+      }
+      for (uint64_t j = 1; j <= through; ++j) ASSERT_TRUE(cs.poll(j).ok());
+    }
+    CopyBlock out{host.data(), dev.data() + kSteps * kRegion, kRegion};
+    Result<uint64_t> t = cs.submit({&out, 1});
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE(cs.wait(t.value(), kWait).ok());
+    EXPECT_EQ(cs.completed_through(), t.value());
+    EXPECT_EQ(cs.last_submitted(), t.value());
+    EXPECT_EQ(std::memcmp(host.data(), data.data(), kRegion), 0) << "budget " << budget;
+  }
+}
+
+// A host callback holds the stream, so the ticket is observably in flight.
+TEST_F(GpuTest, PollAndWaitWhileInFlight) {
+  Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, CopyOptions{});
+  ASSERT_TRUE(r.ok());
+  CopyStream& cs = *r.value();
+  static std::atomic<bool> release{false};
+  release = false;
+  // Lets the stream go on whatever happens below (the destructor waits for it).
+  struct Release {
+    ~Release() { release = true; }
+  } release_on_exit;
+  FERRY_CUDA_OK(cudaLaunchHostFunc(
+      static_cast<cudaStream_t>(cs.native_stream()),
+      [](void*) {
+        while (!release.load()) {
+        }
+      },
+      nullptr));
+  Buffer a(Mem::kDevice, 4096), b(Mem::kPinned, 4096);
+  CopyBlock blk{b.data(), a.data(), 4096};
+  Result<uint64_t> t = cs.submit({&blk, 1});
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(cs.poll(t.value()).code(), StatusCode::kInProgress);
+  Status w = cs.wait(t.value(), milliseconds(20));
+  EXPECT_EQ(w.code(), StatusCode::kTimeout) << w.to_string();
+  EXPECT_EQ(cs.completed_through(), 0u);
+  release = true;
+  EXPECT_TRUE(cs.wait(t.value(), kWait).ok());
+  EXPECT_EQ(cs.poll(t.value() + 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cs.poll(0).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(GpuTest, SmBudgetIsHonoured) {
+  constexpr size_t kBlocks = 8192;
+  Buffer src(Mem::kPinned, kBlocks * 4096), dst(Mem::kDevice, kBlocks * 4096);
+  std::vector<CopyBlock> blocks;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    blocks.push_back({dst.data() + i * 4096, src.data() + ((i * 7919) % kBlocks) * 4096, 4096});
+  }
+  for (uint32_t budget : {1u, 3u, 8u, 0u, 100000u}) {
+    CopyOptions o;
+    o.sm_budget = budget;
+    Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, o);
+    ASSERT_TRUE(r.ok());
+    Result<uint64_t> t = r.value()->submit(blocks);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_TRUE(r.value()->wait(t.value(), kWait).ok());
+    CopyStreamStats st = r.value()->stats();
+    int sms = 0;
+    ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+    const uint32_t cap = std::min<uint32_t>(budget, static_cast<uint32_t>(sms));
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    if (budget == 0) {
+      EXPECT_EQ(st.kernel_blocks, 0u);
+      EXPECT_EQ(st.engine_blocks, kBlocks);
+      EXPECT_EQ(st.sms_used, 0u);
+    } else {
+      EXPECT_EQ(st.kernel_blocks, kBlocks);
+      EXPECT_EQ(st.engine_blocks, 0u);
+      EXPECT_LE(st.max_ctas, cap);
+      EXPECT_GE(st.sms_used, 1u);
+      EXPECT_LE(st.sms_used, cap) << "the kernel ran on more SMs than its budget";
+    }
+  }
+}
+
+TEST_F(GpuTest, OneShotCopyBlocks) {
+  Buffer src(Mem::kPinned, 1 << 20), dst(Mem::kDevice, 1 << 20);
+  std::vector<uint8_t> data(1 << 20), got(1 << 20);
+  std::mt19937_64 rng(3);
+  for (auto& x : data) x = static_cast<uint8_t>(rng());
+  src.upload(data.data());
+  std::vector<CopyBlock> blocks;
+  for (size_t i = 0; i < 256; ++i) {
+    blocks.push_back({dst.data() + i * 4096, src.data() + (255 - i) * 4096, 4096});
+  }
+  ASSERT_TRUE(copy_blocks(blocks).ok());
+  dst.download(got.data());
+  for (size_t i = 0; i < 256; ++i) {
+    ASSERT_EQ(std::memcmp(got.data() + i * 4096, data.data() + (255 - i) * 4096, 4096), 0) << i;
+  }
+  CopyOptions engine;
+  engine.sm_budget = 0;
+  ASSERT_TRUE(copy_blocks(blocks, engine, 0).ok());
+  EXPECT_EQ(copy_blocks(blocks, CopyOptions{}, 9999).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(copy_blocks({}).ok());
+}
+
+TEST_F(GpuTest, InvalidInputIsRejectedClearly) {
+  Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, CopyOptions{});
+  ASSERT_TRUE(r.ok());
+  CopyStream& cs = *r.value();
+  Buffer dev(Mem::kDevice, 1 << 20), pinned(Mem::kPinned, 1 << 20);
+  std::vector<uint8_t> pageable(1 << 20, 0x11);
+
+  // Null pointer, named with its block index.
+  std::vector<CopyBlock> b = {{dev.data(), pinned.data(), 64},
+                              {dev.data() + 64, pinned.data() + 64, 64},
+                              {nullptr, pinned.data(), 64}};
+  Result<uint64_t> t = cs.submit(b);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("block 2"), std::string::npos) << t.status().to_string();
+  EXPECT_NE(t.status().message().find("null dst"), std::string::npos) << t.status().to_string();
+
+  // Pageable host memory on the kernel path: named, with the pointer and a way out.
+  b = {{dev.data(), pinned.data(), 4096}, {dev.data() + 4096, pageable.data(), 4096}};
+  t = cs.submit(b);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  const std::string& m = t.status().message();
+  EXPECT_NE(m.find("block 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("pageable"), std::string::npos) << m;
+  char addr[32];
+  std::snprintf(addr, sizeof addr, "%p", static_cast<void*>(pageable.data()));
+  EXPECT_NE(m.find(addr), std::string::npos) << m;
+  std::cout << "pageable rejection reads: " << t.status().to_string() << "\n";
+
+  // A block running past the end of its allocation is refused, not faulted on.
+  Result<CudaPointerInfo> info = cuda_pointer_info(dev.data());
+  ASSERT_TRUE(info.ok()) << info.status().to_string();
+  auto* end = reinterpret_cast<uint8_t*>(info->base + info->size);
+  b = {{end - 100, pinned.data(), 4096}};
+  t = cs.submit(b);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kOutOfRange) << t.status().to_string();
+
+  // The stream still works after rejected batches; nothing was issued for them.
+  EXPECT_EQ(cs.last_submitted(), 0u);
+  b = {{dev.data(), pinned.data(), 4096}};
+  t = cs.submit(b);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_EQ(t.value(), 1u);
+  EXPECT_TRUE(cs.wait(t.value(), kWait).ok());
+
+  // The copy engine accepts pageable memory: sm_budget = 0, or a large block.
+  CopyOptions engine;
+  engine.sm_budget = 0;
+  Result<std::unique_ptr<CopyStream>> ce = CopyStream::create(0, engine);
+  ASSERT_TRUE(ce.ok());
+  b = {{pageable.data() + 8192, dev.data(), 4096}};
+  ASSERT_TRUE(cudaMemset(dev.data(), 0x42, 4096) == cudaSuccess);
+  t = ce.value()->submit(b);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  ASSERT_TRUE(ce.value()->wait(t.value(), kWait).ok());
+  EXPECT_EQ(pageable[8192], 0x42);
+  EXPECT_EQ(pageable[8192 + 4095], 0x42);
+  EXPECT_EQ(pageable[8192 + 4096], 0x11);
+  b = {{pageable.data(), dev.data(), 512 << 10}};  // >= kernel_max_block: copy engine
+  t = cs.submit(b);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_TRUE(cs.wait(t.value(), kWait).ok());
+
+  // Zero-size blocks are no-ops, even with null pointers.
+  CopyBlock empty{nullptr, nullptr, 0};
+  t = cs.submit({&empty, 1});
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_TRUE(cs.wait(t.value(), kWait).ok());
+
+  // Bad device ordinal.
+  Result<std::unique_ptr<CopyStream>> bad = CopyStream::create(cuda_device_count(), {});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(GpuTest, PeerGpuCopy) {
+  if (cuda_device_count() < 2) {
+    GTEST_SKIP() << "skipped: needs 2 GPUs, " << cuda_device_count() << " visible";
+  }
+  const size_t n = 4 << 20;
+  void *d0 = nullptr, *d1 = nullptr;
+  FERRY_CUDA_OK(cudaSetDevice(0));
+  FERRY_CUDA_OK(cudaMalloc(&d0, n));
+  FERRY_CUDA_OK(cudaSetDevice(1));
+  FERRY_CUDA_OK(cudaMalloc(&d1, n));
+  FERRY_CUDA_OK(cudaMemset(d1, 0, n));
+  FERRY_CUDA_OK(cudaSetDevice(0));
+  std::vector<uint8_t> data(n), got(n);
+  std::mt19937_64 rng(11);
+  for (auto& x : data) x = static_cast<uint8_t>(rng());
+  FERRY_CUDA_OK(cudaMemcpy(d0, data.data(), n, cudaMemcpyHostToDevice));
+  std::vector<CopyBlock> blocks;
+  for (size_t i = 0; i < n / 4096; ++i) {
+    blocks.push_back(
+        {static_cast<uint8_t*>(d1) + i * 4096, static_cast<uint8_t*>(d0) + i * 4096, 4096});
+  }
+  Result<std::unique_ptr<CopyStream>> cs = CopyStream::create(0, CopyOptions{});
+  ASSERT_TRUE(cs.ok());
+  Result<uint64_t> t = cs.value()->submit(blocks);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  ASSERT_TRUE(cs.value()->wait(t.value(), kWait).ok());
+  FERRY_CUDA_OK(cudaMemcpy(got.data(), d1, n, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(got == data);
+  cudaFree(d0);
+  cudaFree(d1);
+}
+
+}  // namespace
+}  // namespace ferry
