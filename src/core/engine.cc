@@ -14,6 +14,7 @@
 #include "core/region_registry.h"
 #include "core/transfer.h"
 #include "core/version.h"
+#include "cuda/cuda_detect.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
 #include "transport/transport.h"
@@ -55,6 +56,8 @@ class Engine::Impl : public TransportEvents {
     }
     spdlog::set_level(parsed);
     if (sodium_init() < 0) return err::Internal("libsodium failed to initialise");
+    // register_memory tells GPU memory from host memory (host-only without CUDA).
+    set_memory_kind_detector(&cuda_detect_memory_kind);
     do {
       randombytes_buf(&id_, sizeof id_);
     } while (id_ == 0);
@@ -166,16 +169,18 @@ class Engine::Impl : public TransportEvents {
         }
         cached = *found;
       }
-      if (cached.kind != MemoryKind::kHost || d->kind != MemoryKind::kHost) {
+      if ((cached.kind != MemoryKind::kHost || d->kind != MemoryKind::kHost) &&
+          !network_->capabilities().cuda_memory) {
         return err::NotSupported(fmt::format(
-            "{} iov {}: GPU memory (local {}, remote {}) is not supported by the {} transport in "
-            "this build",
+            "{} iov {}: GPU memory (local {}, remote {}) is not supported by the {} transport here",
             op, i, memory_kind_name(cached.kind), memory_kind_name(d->kind), network_->name()));
       }
       Segment& s = (*out)[i];
       s.local = static_cast<uint8_t*>(l.address);
       s.length = l.length;
       s.remote = {d->region_id, d->region_offset, d->length, d->key, d->access, r.offset, r.length};
+      s.local_device = cached.kind == MemoryKind::kCuda ? cached.device : -1;
+      s.remote_device = d->kind == MemoryKind::kCuda ? std::max(d->device, 0) : -1;
     }
     return Status::Ok();
   }

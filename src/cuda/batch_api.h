@@ -13,10 +13,10 @@ namespace ferry::cuda {
 bool batch_api_compiled();
 
 // Enqueues `count` copies on `stream` (not the legacy default stream). With
-// `use_batch_api` and CUDA >= 12.8: one cudaMemcpyBatchAsync, falling back to
-// the loop if the driver refuses it as unsupported; otherwise one
-// cudaMemcpyAsync(cudaMemcpyDefault) per copy. Source accesses are stream
-// ordered. Errors name the failing copy's index where the runtime says it.
+// `use_batch_api` and CUDA >= 12.8: one cudaMemcpyBatchAsync; otherwise, or
+// if the batch call refuses the batch, one cudaMemcpyAsync(cudaMemcpyDefault)
+// per copy. Source accesses are stream ordered. Errors name the failing
+// block's index; blocks before it may already be enqueued.
 Status memcpy_batch(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
                     bool use_batch_api, cudaStream_t stream);
 

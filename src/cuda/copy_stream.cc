@@ -41,6 +41,9 @@ constexpr uint64_t kChunk = 16 * 1024;
 // up to kMaxSlice, so a batch costs a handful of launches.
 constexpr uint32_t kFirstSlice = 1024;
 constexpr uint32_t kMaxSlice = 1u << 15;
+// Each launch's descriptors start on a fresh 384-byte (3 x 128 B) boundary,
+// so the host never writes a cache line that an earlier, running kernel reads.
+constexpr size_t kDescAlign = 16;
 // Submissions in flight before submit() waits for the oldest.
 constexpr size_t kMaxPending = 1024;
 
@@ -63,16 +66,19 @@ struct Span {
 // buffers cannot change, so one driver query per allocation suffices.
 class Classifier {
  public:
-  // Returns the span containing [p, p+n) or an error naming why not.
-  Result<const Span*> find(const void* p, uint64_t n) {
+  // Returns the span containing [p, p+n) or an error naming why not. `side`
+  // (0 dst, 1 src) keeps one most-recent span per side: an H2D batch
+  // alternates between two allocations.
+  Result<const Span*> find(const void* p, uint64_t n, int side) {
     const uint64_t a = reinterpret_cast<uint64_t>(p);
-    if (mru_ != nullptr && a >= mru_->lo && a + n <= mru_->hi) return mru_;
+    const Span*& mru = mru_[side];
+    if (mru != nullptr && a >= mru->lo && a + n <= mru->hi) return mru;
     auto it = spans_.upper_bound(a);
     if (it != spans_.begin()) {
       --it;
       if (a >= it->second.lo && a < it->second.hi) {
-        mru_ = &it->second;
-        return mru_;
+        mru = &it->second;
+        return mru;
       }
     }
     Result<CudaPointerInfo> r = cuda_pointer_info(p);
@@ -85,10 +91,8 @@ class Classifier {
     if (r->size != 0) {
       s.lo = r->base;
       s.hi = r->base + r->size;
-      s.delta = r->device_address != 0 ? static_cast<int64_t>(r->device_address - a) : 0;
-      auto [pos, inserted] = spans_.emplace(s.lo, s);
-      mru_ = &pos->second;
-      return mru_;
+      mru = &spans_.emplace(s.lo, s).first->second;
+      return mru;
     }
     // Extent unknown (pageable memory, or no driver entry point): not cached.
     scratch_ = s;
@@ -98,8 +102,8 @@ class Classifier {
   }
 
  private:
-  std::map<uint64_t, Span> spans_;
-  const Span* mru_ = nullptr;
+  std::map<uint64_t, Span> spans_;  // node-based: pointers stay valid
+  const Span* mru_[2] = {nullptr, nullptr};
   Span scratch_;
 };
 
@@ -289,6 +293,9 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
 
   Staging staging;
   if (max_descs > 0) {
+    // Room for the alignment padding of every launch (slices double up to
+    // kMaxSlice, so there are at most ~16 + max_descs / kMaxSlice of them).
+    max_descs += kDescAlign * (16 + max_descs / kMaxSlice + 1);
     Result<Staging> r = acquire_staging(max_descs);
     if (!r.ok()) return r.status();
     staging = r.value();
@@ -330,6 +337,7 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
       cudaGetLastError();
       return cuda_status(e, "launching the gather kernel");
     }
+    nd = (nd + kDescAlign - 1) / kDescAlign * kDescAlign;
     launched = nd;
     ++launches;
     max_ctas = std::max(max_ctas, ctas);
@@ -350,7 +358,7 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
       for (int side = 0; side < 2 && to_kernel; ++side) {
         const void* p = side == 0 ? static_cast<const void*>(b.dst) : b.src;
         const char* name = side == 0 ? "dst" : "src";
-        Result<const Span*> r = cls.find(p, b.size);
+        Result<const Span*> r = cls.find(p, b.size, side);
         if (!r.ok()) {
           return abandon(Status(r.status().code(), "block " + std::to_string(i) + ": " + name +
                                                        " " + hex(p) + ": " + r.status().message()));

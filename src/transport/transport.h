@@ -27,6 +27,8 @@ struct Segment {
   uint8_t* local = nullptr;
   uint64_t length = 0;
   RemoteAccessRequest remote;  // re-checked by the target
+  int local_device = -1;       // >= 0: local side is GPU memory on that device
+  int remote_device = -1;      // >= 0: remote side is GPU memory (from the descriptor)
 };
 
 // What the transport tells core about (called from transport threads).

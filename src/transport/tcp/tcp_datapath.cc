@@ -40,7 +40,7 @@ WireSegment to_wire(const RemoteAccessRequest& r, uint64_t extra_offset, uint64_
 
 // Cuts segments into frames of at most `chunk` payload bytes and `max_segs`
 // pieces. Pieces fill frames exactly, so small iovs coalesce and large ones
-// are chunked. `emit(piece_local, wire_segment)` appends to the open frame;
+// are chunked. `emit(segment, piece_local, wire_segment)` appends to the open frame;
 // `close()` seals it.
 template <typename Emit, typename Close>
 void cut_frames(const std::vector<Segment>& segments, uint64_t chunk, uint32_t max_segs,
@@ -51,7 +51,7 @@ void cut_frames(const std::vector<Segment>& segments, uint64_t chunk, uint32_t m
     uint64_t done = 0;
     while (done < seg.length) {
       const uint64_t piece = std::min(seg.length - done, chunk - frame_bytes);
-      emit(seg.local + done, to_wire(seg.remote, done, piece));
+      emit(seg, seg.local + done, to_wire(seg.remote, done, piece));
       done += piece;
       frame_bytes += piece;
       if (frame_bytes == chunk || ++frame_segs == max_segs) {
@@ -72,45 +72,141 @@ Status status_from_wire(uint32_t code, std::string message) {
 
 // ------------------------------------------------------------------ post ---
 
+namespace {
+
+bool any_gpu(const std::vector<Segment>& segments, bool local) {
+  for (const auto& s : segments) {
+    if ((local ? s.local_device : s.remote_device) >= 0) return true;
+  }
+  return false;
+}
+
+// Adds the payload pieces to the frame's cursor. GPU pieces are staged in
+// `slot`; the returned copies fill it (device→host) or drain it (host→device).
+std::vector<DeviceCopy> stage_pieces(IovCursor& cursor, const std::vector<Piece>& pieces,
+                                     uint8_t* slot, bool to_host) {
+  std::vector<DeviceCopy> copies;
+  uint64_t used = 0;
+  for (const Piece& p : pieces) {
+    if (p.device < 0 || slot == nullptr) {
+      cursor.add(p.ptr, p.length);
+      continue;
+    }
+    uint8_t* staged = slot + used;
+    used += p.length;
+    cursor.add(staged, p.length);
+    copies.push_back(to_host ? DeviceCopy{p.device, {staged, p.ptr, p.length}}
+                             : DeviceCopy{p.device, {p.ptr, staged, p.length}});
+  }
+  return copies;
+}
+
+}  // namespace
+
 Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
                                 std::vector<Segment> segments) {
   auto group = primary(peer);
   if (!group || group->dead.load()) {
     return err::PeerDisconnected(fmt::format("no live tcp connection to peer {}", hex_id(peer)));
   }
-  std::vector<std::unique_ptr<TxFrame>> frames;
+  const bool local_gpu = any_gpu(segments, true);
+  const bool gpu_involved = local_gpu || any_gpu(segments, false);
+  if (gpu_involved) {
+    if (auto g = gpu(); !g.ok()) return g.status();
+  }
+  // Frames touching GPU memory on either side fit one staging slot.
+  const uint64_t chunk =
+      gpu_involved ? std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload) : opt_.chunk_bytes;
+  std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> built;
   std::unique_ptr<TxFrame> f;
-  std::vector<iovec> payload;
+  std::vector<Piece> pieces;
   auto open = [&] {
     f = std::make_unique<TxFrame>();
     f->header = make_header(Op::kWrite, transfer->id());
     f->transfer = transfer;
-    payload.clear();
+    pieces.clear();
   };
   open();
   cut_frames(
-      segments, opt_.chunk_bytes, opt_.max_segments,
-      [&](uint8_t* local, const WireSegment& w) {
+      segments, chunk, opt_.max_segments,
+      [&](const Segment& seg, uint8_t* local, const WireSegment& w) {
         const auto* b = reinterpret_cast<const uint8_t*>(&w);
         f->aux.insert(f->aux.end(), b, b + sizeof w);
-        payload.push_back({local, w.length});
+        pieces.push_back({local, w.length, seg.local_device});
         f->header.payload_bytes += w.length;
         ++f->header.count;
       },
       [&] {
         f->header.aux_bytes = static_cast<uint32_t>(f->aux.size());
-        f->cursor.reserve(2 + payload.size());
+        f->cursor.reserve(2 + pieces.size());
         f->cursor.add(&f->header, sizeof f->header);
         f->cursor.add(f->aux.data(), f->aux.size());
-        for (const auto& p : payload) f->cursor.add(p.iov_base, p.iov_len);
         f->pending = std::make_shared<Pending>();
         f->pending->expect = Op::kWriteAck;
         f->pending->transfer = transfer;
-        frames.push_back(std::move(f));
+        built.emplace_back(std::move(f), pieces);
         open();
       });
-  transfer->outstanding.store(frames.size());
+  transfer->outstanding.store(built.size());
+  if (local_gpu) {
+    post_staged(*group, transfer, std::move(built));
+    return Status::Ok();
+  }
+  std::vector<std::unique_ptr<TxFrame>> frames;
+  frames.reserve(built.size());
+  for (auto& [frame, frame_pieces] : built) {
+    stage_pieces(frame->cursor, frame_pieces, nullptr, true);
+    frames.push_back(std::move(frame));
+  }
   return enqueue(*group, std::move(frames));
+}
+
+// Frames whose payload is (partly) local GPU memory: the staging thread
+// copies each into a slot, in order, and the completion of each copy puts the
+// frame on its stream. Copies of later frames overlap sending earlier ones.
+void TcpTransport::post_staged(
+    Group& group, const std::shared_ptr<Transfer>& transfer,
+    std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> frames) {
+  struct Item {
+    std::shared_ptr<Stream> stream;
+    std::unique_ptr<TxFrame> frame;
+    std::vector<Piece> pieces;
+  };
+  auto items = std::make_shared<std::vector<Item>>();
+  const size_t n = group.streams.size();
+  const uint32_t first = group.next_stream.fetch_add(static_cast<uint32_t>(frames.size()));
+  for (size_t k = 0; k < frames.size(); ++k) {
+    items->push_back({group.streams[(first + k) % n], std::move(frames[k].first),
+                      std::move(frames[k].second)});
+  }
+  GpuPath* path = gpu_.get();
+  path->run([this, path, transfer, items] {
+    for (Item& item : *items) {
+      {
+        std::lock_guard lock(transfer->io_mu);
+        if (transfer->cancelled) return;
+      }
+      auto slot = path->acquire_slot();
+      if (!slot.ok()) {
+        fail_transfer(*transfer, slot.status());
+        return;
+      }
+      auto copies = stage_pieces(item.frame->cursor, item.pieces, (*slot)->data(), true);
+      item.frame->slot = std::move(slot.value());
+      transfer->tx_begin();  // the copy reads the caller's GPU memory
+      auto frame = std::make_shared<std::unique_ptr<TxFrame>>(std::move(item.frame));
+      auto stream = item.stream;
+      path->copy_then(std::move(copies), [this, transfer, stream, frame](Status st) {
+        transfer->tx_end();
+        if (!st.ok()) {
+          fail_transfer(*transfer, st);
+        } else if (!enqueue_on(*stream, std::move(*frame))) {
+          fail_transfer(*transfer, err::PeerDisconnected(fmt::format(
+                                       "connection to peer {} is closed", hex_id(transfer->peer()))));
+        }
+      });
+    }
+  });
 }
 
 Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
@@ -119,6 +215,13 @@ Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& tra
   if (!group || group->dead.load()) {
     return err::PeerDisconnected(fmt::format("no live tcp connection to peer {}", hex_id(peer)));
   }
+  const bool local_gpu = any_gpu(segments, true);
+  const bool gpu_involved = local_gpu || any_gpu(segments, false);
+  if (gpu_involved) {
+    if (auto g = gpu(); !g.ok()) return g.status();
+  }
+  const uint64_t chunk =
+      gpu_involved ? std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload) : opt_.chunk_bytes;
   std::vector<std::unique_ptr<TxFrame>> frames;
   std::unique_ptr<TxFrame> f;
   std::shared_ptr<Pending> p;
@@ -131,11 +234,15 @@ Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& tra
   };
   open();
   cut_frames(
-      segments, opt_.chunk_bytes, opt_.max_segments,
-      [&](uint8_t* local, const WireSegment& w) {
+      segments, chunk, opt_.max_segments,
+      [&](const Segment& seg, uint8_t* local, const WireSegment& w) {
         const auto* b = reinterpret_cast<const uint8_t*>(&w);
         f->aux.insert(f->aux.end(), b, b + sizeof w);
-        p->read_into.add(local, w.length);
+        if (local_gpu) {
+          p->gpu_pieces.push_back({local, w.length, seg.local_device});
+        } else {
+          p->read_into.add(local, w.length);
+        }
         p->payload_bytes += w.length;
         ++f->header.count;
       },
@@ -265,7 +372,7 @@ void TcpTransport::flush(Stream& s) {
 
 void TcpTransport::on_writable(Stream& s) { flush(s); }
 
-void TcpTransport::send_response(Stream& s, Op op, TransferId id, const Status& status) {
+std::unique_ptr<TxFrame> TcpTransport::make_response(Op op, TransferId id, const Status& status) {
   auto f = std::make_unique<TxFrame>();
   f->header = make_header(op, id);
   f->header.status = static_cast<uint32_t>(status.code());
@@ -276,7 +383,51 @@ void TcpTransport::send_response(Stream& s, Op op, TransferId id, const Status& 
   f->header.aux_bytes = static_cast<uint32_t>(f->aux.size());
   f->cursor.add(&f->header, sizeof f->header);
   f->cursor.add(f->aux.data(), f->aux.size());
-  enqueue_on(s, std::move(f));
+  return f;
+}
+
+void TcpTransport::send_response(Stream& s, Op op, TransferId id, const Status& status) {
+  respond(s, make_response(op, id, status));
+}
+
+void TcpTransport::respond(Stream& s, std::unique_ptr<TxFrame> frame) {
+  {
+    std::lock_guard lock(s.tx_mu);
+    if (s.dead) return;
+    if (!s.deferred.empty()) {
+      auto d = std::make_shared<Deferred>();
+      d->ready = true;
+      d->frame = std::move(frame);
+      s.deferred.push_back(std::move(d));
+      return;
+    }
+  }
+  enqueue_on(s, std::move(frame));
+}
+
+std::shared_ptr<Deferred> TcpTransport::defer(Stream& s) {
+  auto d = std::make_shared<Deferred>();
+  std::lock_guard lock(s.tx_mu);
+  s.deferred.push_back(d);
+  return d;
+}
+
+void TcpTransport::complete_deferred(Stream& s, const std::shared_ptr<Deferred>& d,
+                                     std::unique_ptr<TxFrame> frame) {
+  Status error;
+  bool ok = true;
+  {
+    std::lock_guard lock(s.tx_mu);
+    if (s.dead) return;
+    d->frame = std::move(frame);
+    d->ready = true;
+    while (!s.deferred.empty() && s.deferred.front()->ready) {
+      s.txq.push_back(std::move(s.deferred.front()->frame));
+      s.deferred.pop_front();
+    }
+    ok = flush_locked(s, &error);
+  }
+  if (!ok) fail_stream(s, error);
 }
 
 void TcpTransport::cancel(Transfer& t) {
@@ -459,24 +610,49 @@ Status TcpTransport::begin_write(Stream& s) {
   if (Status st = check_segments(s.hdr, segs, &total); !st.ok()) return st;
   s.payload.clear();
   s.pins.clear();
+  s.slot.reset();
+  s.h2d.clear();
   s.discard_left = 0;
   s.write_verdict = Status::Ok();
-  s.payload.reserve(segs.size());
+  std::vector<Piece> pieces;
+  pieces.reserve(segs.size());
+  bool gpu_target = false;
   for (const WireSegment& w : segs) {
     RegionPin pin;
     auto addr = ctx_.registry->check_remote(
         {w.region_id, w.adv_offset, w.adv_length, w.key, w.access, w.offset, w.length},
         kAccessWrite, &pin);
     if (!addr.ok()) {
-      // Nothing of a refused frame is written: drain its payload instead.
       s.write_verdict = addr.status();
-      s.payload.clear();
-      s.pins.clear();
-      s.discard_left = total;
       break;
     }
-    s.payload.add(*addr, w.length);
+    const MemoryRegion& info = pin.get()->info;
+    const int device = info.kind == MemoryKind::kCuda ? info.device : -1;
+    gpu_target |= device >= 0;
+    pieces.push_back({*addr, w.length, device});
     if (s.pins.empty() || s.pins.back().get() != pin.get()) s.pins.push_back(std::move(pin));
+  }
+  if (s.write_verdict.ok() && gpu_target) {
+    if (total > kGpuFramePayload) {
+      return err::ProtocolError(fmt::format(
+          "WRITE into GPU memory with a {}-byte frame (limit {})", total, kGpuFramePayload));
+    }
+    auto path = gpu();
+    auto slot = path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
+    if (!slot.ok()) {
+      s.write_verdict = slot.status();
+    } else {
+      s.slot = std::move(slot.value());
+    }
+  }
+  if (!s.write_verdict.ok()) {
+    // Nothing of a refused frame is written: drain its payload instead.
+    s.pins.clear();
+    s.slot.reset();
+    s.discard_left = total;
+  } else {
+    s.payload.reserve(pieces.size());
+    s.h2d = stage_pieces(s.payload, pieces, s.slot ? s.slot->data() : nullptr, false);
   }
   s.rx = Stream::Rx::kPayload;
   return Status::Ok();
@@ -486,24 +662,57 @@ Status TcpTransport::serve_read(Stream& s) {
   std::span<const WireSegment> segs(reinterpret_cast<const WireSegment*>(s.aux.data()), s.hdr.count);
   uint64_t total = 0;
   if (Status st = check_segments(s.hdr, segs, &total); !st.ok()) return st;
+  const TransferId id = s.hdr.transfer_id;
   auto f = std::make_unique<TxFrame>();
-  f->header = make_header(Op::kReadResponse, s.hdr.transfer_id);
+  f->header = make_header(Op::kReadResponse, id);
   f->cursor.reserve(1 + segs.size());
   f->cursor.add(&f->header, sizeof f->header);
+  std::vector<Piece> pieces;
+  pieces.reserve(segs.size());
+  bool gpu_source = false;
   for (const WireSegment& w : segs) {
     RegionPin pin;
     auto addr = ctx_.registry->check_remote(
         {w.region_id, w.adv_offset, w.adv_length, w.key, w.access, w.offset, w.length},
         kAccessRead, &pin);
     if (!addr.ok()) {
-      send_response(s, Op::kReadResponse, s.hdr.transfer_id, addr.status());
+      send_response(s, Op::kReadResponse, id, addr.status());
       return Status::Ok();
     }
-    f->cursor.add(*addr, w.length);
+    const MemoryRegion& info = pin.get()->info;
+    const int device = info.kind == MemoryKind::kCuda ? info.device : -1;
+    gpu_source |= device >= 0;
+    pieces.push_back({*addr, w.length, device});
     if (f->pins.empty() || f->pins.back().get() != pin.get()) f->pins.push_back(std::move(pin));
   }
   f->header.payload_bytes = total;
-  enqueue_on(s, std::move(f));
+  if (!gpu_source) {
+    stage_pieces(f->cursor, pieces, nullptr, true);
+    respond(s, std::move(f));
+    return Status::Ok();
+  }
+  // GPU memory: copy it to a staging slot first; the response keeps its
+  // place in the stream's answer order meanwhile.
+  if (total > kGpuFramePayload) {
+    send_response(s, Op::kReadResponse, id,
+                  err::InvalidArgument(fmt::format("READ of GPU memory with a {}-byte frame (limit {})",
+                                                   total, kGpuFramePayload)));
+    return Status::Ok();
+  }
+  auto path = gpu();
+  auto slot = path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
+  if (!slot.ok()) {
+    send_response(s, Op::kReadResponse, id, slot.status());
+    return Status::Ok();
+  }
+  auto copies = stage_pieces(f->cursor, pieces, (*slot)->data(), true);
+  f->slot = std::move(slot.value());
+  auto d = defer(s);
+  auto self = s.shared_from_this();
+  auto frame = std::make_shared<std::unique_ptr<TxFrame>>(std::move(f));
+  (*path)->copy_then(std::move(copies), [this, self, d, frame, id](Status st) {
+    complete_deferred(*self, d, st.ok() ? std::move(*frame) : make_response(Op::kReadResponse, id, st));
+  });
   return Status::Ok();
 }
 
@@ -523,8 +732,20 @@ Status TcpTransport::begin_read_response(Stream& s) {
                                                 s.hdr.transfer_id, s.hdr.payload_bytes, p->payload_bytes));
     return bad;
   }
-  s.reading = std::move(p);
   s.discard_left = 0;
+  if (!p->gpu_pieces.empty()) {
+    // Into GPU memory: receive into a staging slot, copy to the device after.
+    auto path = gpu();
+    auto slot = path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
+    if (!slot.ok()) {
+      p->transfer->note_error(slot.status());
+      s.discard_left = p->payload_bytes;
+    } else {
+      p->slot = std::move(slot.value());
+      p->h2d = stage_pieces(p->read_into, p->gpu_pieces, p->slot->data(), false);
+    }
+  }
+  s.reading = std::move(p);
   s.rx = Stream::Rx::kPayload;
   return Status::Ok();
 }
@@ -587,7 +808,39 @@ void TcpTransport::finish_payload(Stream& s) {
       std::lock_guard lock(s.tx_mu);
       if (!s.pending.empty() && s.pending.front() == p) s.pending.pop_front();
     }
+    if (p->slot) {
+      Transfer& t = *p->transfer;
+      {
+        std::lock_guard lock(t.io_mu);
+        if (t.cancelled) {
+          p->slot.reset();
+          on_response(p, Status::Ok());
+          return;
+        }
+        t.tx_begin();  // the copy writes the caller's GPU memory; cancel waits
+      }
+      gpu_->copy_then(std::move(p->h2d), [this, p](Status st) {
+        p->slot.reset();
+        p->transfer->tx_end();
+        on_response(p, st);
+      });
+      return;
+    }
     on_response(p, Status::Ok());
+    return;
+  }
+  if (s.slot) {
+    // Placed in the staging slot; acknowledge once it is on the device.
+    auto d = defer(s);
+    auto keep = std::make_shared<std::pair<std::vector<RegionPin>, std::unique_ptr<StagingSlot>>>(
+        std::move(s.pins), std::move(s.slot));
+    auto self = s.shared_from_this();
+    const TransferId id = s.hdr.transfer_id;
+    gpu_->copy_then(std::move(s.h2d), [this, self, d, keep, id](Status st) {
+      keep->first.clear();
+      keep->second.reset();
+      complete_deferred(*self, d, make_response(Op::kWriteAck, id, st));
+    });
     return;
   }
   s.pins.clear();

@@ -20,6 +20,8 @@ const OptionSpec kTcpOptionSpecs[] = {
     {"tcp.user_timeout_ms", OptionType::kDurationMs, "10000", "TCP_USER_TIMEOUT: unacknowledged data for this long declares the peer dead", 100, 3600000},
     {"tcp.sndbuf", OptionType::kBytes, "0", "SO_SNDBUF per stream (0: kernel autotuning)", 0, 1ull << 30},
     {"tcp.rcvbuf", OptionType::kBytes, "0", "SO_RCVBUF per stream (0: kernel autotuning)", 0, 1ull << 30},
+    {"tcp.gpu_staging_bytes", OptionType::kBytes, "64MiB", "pinned host memory for staging GPU data (1 MiB slots), allocated on first GPU transfer", 2 << 20, 16ull << 30},
+    {"tcp.gpu_sm_budget", OptionType::kUint, "4", "SMs the staging copy kernel may use for small pieces (0: copy engine only)", 0, 1024},
 };
 const size_t kTcpOptionSpecCount = std::size(kTcpOptionSpecs);
 
@@ -137,6 +139,8 @@ Status TcpTransport::start(const TransportContext& context) {
   opt_.user_timeout = std::chrono::milliseconds(o.get_uint("tcp.user_timeout_ms"));
   opt_.sndbuf = static_cast<int>(o.get_uint("tcp.sndbuf"));
   opt_.rcvbuf = static_cast<int>(o.get_uint("tcp.rcvbuf"));
+  opt_.gpu_staging_bytes = o.get_uint("tcp.gpu_staging_bytes");
+  opt_.gpu_sm_budget = static_cast<uint32_t>(o.get_uint("tcp.gpu_sm_budget"));
 
   auto addresses = resolve(ctx_.listen);
   if (!addresses.ok()) return addresses.status();
@@ -182,8 +186,31 @@ void TcpTransport::shutdown(const Status& reason) {
     }
   }
   workers_.clear();
+  {
+    std::lock_guard lock(gpu_mu_);
+    gpu_.reset();  // waits for copies in flight; their callbacks find dead streams
+  }
   if (listen_fd_ >= 0) ::close(listen_fd_);
   listen_fd_ = -1;
+}
+
+TransportCaps TcpTransport::capabilities() const {
+  TransportCaps caps;
+  caps.cuda_memory = cuda_available();  // staged through pinned host memory
+  return caps;
+}
+
+Result<GpuPath*> TcpTransport::gpu() {
+  std::lock_guard lock(gpu_mu_);
+  if (gpu_) return gpu_.get();
+  if (!gpu_error_.ok()) return gpu_error_;
+  auto created = GpuPath::create(opt_.gpu_staging_bytes, opt_.gpu_sm_budget);
+  if (!created.ok()) {
+    gpu_error_ = created.status();
+    return gpu_error_;
+  }
+  gpu_ = std::move(created.value());
+  return gpu_.get();
 }
 
 Bytes TcpTransport::local_address() const { return Bytes(advertised_.begin(), advertised_.end()); }
@@ -444,6 +471,7 @@ void TcpTransport::fail_stream(Stream& s, const Status& reason) {
     s.dead = true;
     frames.swap(s.txq);
     pending.swap(s.pending);
+    s.deferred.clear();
     if (!s.closed) ::shutdown(s.fd, SHUT_RDWR);
   }
   auto group = s.group.lock();

@@ -25,6 +25,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "transport/tcp/gpu_path.h"
 #include "transport/tcp/iov_cursor.h"
 #include "transport/tcp/socket_util.h"
 #include "transport/tcp/wire.h"
@@ -41,6 +42,15 @@ struct TcpOptions {
   std::chrono::milliseconds user_timeout{10000};
   int sndbuf = 0;
   int rcvbuf = 0;
+  uint64_t gpu_staging_bytes = 64 << 20;
+  uint32_t gpu_sm_budget = 4;
+};
+
+// A piece of local memory in a frame; device >= 0 for GPU memory.
+struct Piece {
+  uint8_t* ptr;
+  uint64_t length;
+  int device;
 };
 extern const OptionSpec kTcpOptionSpecs[];
 extern const size_t kTcpOptionSpecCount;
@@ -52,6 +62,11 @@ struct Pending {
   IovCursor read_into;     // READ: where the response payload goes
   uint64_t payload_bytes = 0;
   bool dropped = false;    // frame never sent (transfer cancelled); guarded by tx_mu
+  // READ into GPU memory: the pieces, and once the response arrives the
+  // staging slot it lands in and the host→device copies that follow.
+  std::vector<Piece> gpu_pieces;
+  std::unique_ptr<StagingSlot> slot;
+  std::vector<DeviceCopy> h2d;
 };
 
 struct TxFrame {
@@ -61,7 +76,15 @@ struct TxFrame {
   std::shared_ptr<Transfer> transfer;  // frames reading the caller's memory
   std::shared_ptr<Pending> pending;    // set when a response is expected
   std::vector<RegionPin> pins;         // READ_RESPONSE payload stays registered
+  std::unique_ptr<StagingSlot> slot;   // staged GPU bytes of the payload
   bool started = false;
+};
+
+// A response whose place in the stream's answer order is reserved while GPU
+// copies finish (responses must leave in request order).
+struct Deferred {
+  bool ready = false;
+  std::unique_ptr<TxFrame> frame;
 };
 
 struct EpollTag {
@@ -82,6 +105,7 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   std::mutex tx_mu;
   std::deque<std::unique_ptr<TxFrame>> txq;
   std::deque<std::shared_ptr<Pending>> pending;
+  std::deque<std::shared_ptr<Deferred>> deferred;
   bool want_out = false;
   bool dead = false;
   bool closed = false;
@@ -98,6 +122,8 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   std::vector<RegionPin> pins;
   Status write_verdict;
   std::shared_ptr<Pending> reading;  // READ_RESPONSE being received
+  std::unique_ptr<StagingSlot> slot;  // WRITE into GPU memory: payload lands here
+  std::vector<DeviceCopy> h2d;        // ... and is copied to the device after
 };
 
 struct Group {
@@ -149,7 +175,7 @@ class TcpTransport final : public Transport {
   ~TcpTransport() override;
 
   std::string_view name() const override { return "tcp"; }
-  TransportCaps capabilities() const override { return {}; }
+  TransportCaps capabilities() const override;
   Status start(const TransportContext& context) override;
   void shutdown(const Status& reason) override;
   Bytes local_address() const override;
@@ -181,6 +207,16 @@ class TcpTransport final : public Transport {
   bool flush_locked(Stream& s, Status* error);
   void flush(Stream& s);
   void send_response(Stream& s, Op op, TransferId id, const Status& status);
+  static std::unique_ptr<TxFrame> make_response(Op op, TransferId id, const Status& status);
+  // Sends a response now, or behind responses still waiting for GPU copies.
+  void respond(Stream& s, std::unique_ptr<TxFrame> frame);
+  std::shared_ptr<Deferred> defer(Stream& s);
+  void complete_deferred(Stream& s, const std::shared_ptr<Deferred>& d,
+                         std::unique_ptr<TxFrame> frame);
+  // The GPU staging path, created on first use. NotSupported with the reason.
+  Result<GpuPath*> gpu();
+  void post_staged(Group& group, const std::shared_ptr<Transfer>& transfer,
+                   std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> frames);
   void on_response(const std::shared_ptr<Pending>& p, const Status& status);
   void finish_unit(const std::shared_ptr<Transfer>& t);
   void fail_transfer(Transfer& t, const Status& status);
@@ -213,6 +249,9 @@ class TcpTransport final : public Transport {
   std::map<std::pair<PeerId, uint64_t>, std::shared_ptr<Group>> groups_;
   std::mutex connect_mu_;
   bool stopped_ = false;
+  std::mutex gpu_mu_;
+  std::unique_ptr<GpuPath> gpu_;
+  Status gpu_error_;
 };
 
 }  // namespace ferry::tcp

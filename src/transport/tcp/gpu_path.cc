@@ -1,0 +1,122 @@
+#include "transport/tcp/gpu_path.h"
+
+#include "fmt/format.h"
+
+namespace ferry::tcp {
+
+Result<std::unique_ptr<GpuPath>> GpuPath::create(size_t staging_bytes, uint32_t sm_budget) {
+  std::string reason;
+  if (!cuda_available(&reason)) return err::NotSupported("GPU memory over tcp: " + reason);
+  const size_t slots = std::max<size_t>(2, staging_bytes / kGpuFramePayload);
+  auto pool = StagingPool::create(kGpuFramePayload, slots);
+  if (!pool.ok()) return pool.status();
+  return std::unique_ptr<GpuPath>(new GpuPath(std::move(pool.value()), sm_budget));
+}
+
+GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget)
+    : pool_(std::move(pool)), sm_budget_(sm_budget) {
+  completion_thread_ = std::thread([this] { completion_loop(); });
+  job_thread_ = std::thread([this] { job_loop(); });
+}
+
+GpuPath::~GpuPath() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  completion_thread_.join();
+  job_thread_.join();
+}
+
+Result<std::unique_ptr<StagingSlot>> GpuPath::acquire_slot() {
+  return pool_->acquire(std::chrono::seconds(30));
+}
+
+Result<CopyStream*> GpuPath::stream(int device) {
+  std::lock_guard lock(streams_mu_);
+  auto& s = streams_[device];
+  if (!s) {
+    CopyOptions options;
+    options.sm_budget = sm_budget_;
+    auto created = CopyStream::create(device, options);
+    if (!created.ok()) return created.status();
+    s = std::move(created.value());
+  }
+  return s.get();
+}
+
+void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done) {
+  Waiting w;
+  w.done = std::move(done);
+  // One submit per device, each a batch on that device's stream.
+  std::map<int, std::vector<CopyBlock>> by_device;
+  for (const auto& c : copies) by_device[c.device].push_back(c.block);
+  for (auto& [device, blocks] : by_device) {
+    auto s = stream(device);
+    if (!s.ok()) {
+      w.submit_error = s.status();
+      break;
+    }
+    auto ticket = (*s)->submit(blocks);
+    if (!ticket.ok()) {
+      w.submit_error = ticket.status();
+      break;
+    }
+    w.tickets.emplace_back(*s, *ticket);
+  }
+  {
+    std::lock_guard lock(mu_);
+    waiting_.push_back(std::move(w));
+  }
+  cv_.notify_all();
+}
+
+void GpuPath::run(std::function<void()> job) {
+  {
+    std::lock_guard lock(mu_);
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+void GpuPath::completion_loop() {
+  for (;;) {
+    Waiting w;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !waiting_.empty(); });
+      if (waiting_.empty()) return;
+      w = std::move(waiting_.front());
+      waiting_.pop_front();
+    }
+    Status status = w.submit_error;
+    for (auto& [stream, ticket] : w.tickets) {
+      Status s;
+      do {
+        s = stream->wait(ticket, std::chrono::seconds(1));
+      } while (s.code() == StatusCode::kTimeout);
+      if (status.ok() && !s.ok()) status = s;
+    }
+    if (!status.ok()) {
+      status = Status(status.code(), "GPU staging copy failed: " + status.message());
+    }
+    w.done(status);
+  }
+}
+
+void GpuPath::job_loop() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+  }
+}
+
+}  // namespace ferry::tcp

@@ -1,0 +1,74 @@
+// How the tcp transport moves GPU memory: through pinned staging slots, with
+// the copies pipelined against the network. Device→host copies of frame k+1
+// run while frame k is on the wire; host→device copies of a received frame
+// run while the next one is received. No I/O thread ever waits for a copy:
+// a completion thread does, then hands the frame (or the acknowledgement)
+// back to the data path.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cuda/staging_pool.h"
+#include "ferry/gpu.h"
+#include "ferry/status.h"
+
+namespace ferry::tcp {
+
+// Largest payload of a frame that touches GPU memory on either side: one
+// staging slot. Part of the protocol (both sides rely on it).
+constexpr uint64_t kGpuFramePayload = 1 << 20;
+
+// One copy between a staging slot and GPU memory, on `device`'s stream.
+struct DeviceCopy {
+  int device;
+  CopyBlock block;
+};
+
+class GpuPath {
+ public:
+  // NotSupported (with the reason) without CUDA or a device.
+  static Result<std::unique_ptr<GpuPath>> create(size_t staging_bytes, uint32_t sm_budget);
+  ~GpuPath();
+
+  Result<std::unique_ptr<StagingSlot>> acquire_slot();
+  // Submits the copies and calls `done` from the completion thread once all
+  // of them finished (or with the first error).
+  void copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done);
+  // Runs `job` on the staging thread, in submission order (jobs may block
+  // waiting for a slot; the posting thread does not).
+  void run(std::function<void()> job);
+
+ private:
+  GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget);
+  Result<CopyStream*> stream(int device);
+  void completion_loop();
+  void job_loop();
+
+  struct Waiting {
+    std::vector<std::pair<CopyStream*, uint64_t>> tickets;
+    Status submit_error;
+    std::function<void(Status)> done;
+  };
+
+  std::unique_ptr<StagingPool> pool_;
+  uint32_t sm_budget_;
+  std::mutex streams_mu_;
+  std::map<int, std::unique_ptr<CopyStream>> streams_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Waiting> waiting_;
+  std::deque<std::function<void()>> jobs_;
+  bool stop_ = false;
+  std::thread completion_thread_;
+  std::thread job_thread_;
+};
+
+}  // namespace ferry::tcp
