@@ -157,6 +157,7 @@ int main(int argc, char** argv) {
   std::memcpy(host, pattern.data(), cap);
   CHECK(cudaMemcpy(dev, pattern.data(), cap, cudaMemcpyHostToDevice));
   if (dev2 != nullptr) CHECK(cudaMemcpy(dev2, pattern.data(), cap, cudaMemcpyHostToDevice));
+  CHECK(cudaDeviceSynchronize());
 
   cudaStream_t s;
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -305,6 +306,7 @@ int main(int argc, char** argv) {
         std::memset(dbase, 0xEE, bytes);
       } else {
         CHECK(cudaMemset(dbase, 0xEE, bytes));
+        CHECK(cudaDeviceSynchronize());  // Ferry's stream does not wait for the legacy one
       }
       run_ferry(m);
       std::vector<uint8_t> got(bytes);

@@ -99,8 +99,11 @@ class Buffer {
   uint8_t* data() const { return static_cast<uint8_t*>(p_); }
   size_t size() const { return n_; }
   Mem kind() const { return kind_; }
+  // Complete on return: a pageable-source cudaMemcpy may still be in flight
+  // otherwise, and CopyStream's stream does not wait for the legacy stream.
   void upload(const void* from) {
     ASSERT_EQ(cudaMemcpy(p_, from, n_, cudaMemcpyDefault), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   void download(void* to) const {
     ASSERT_EQ(cudaMemcpy(to, p_, n_, cudaMemcpyDefault), cudaSuccess);
