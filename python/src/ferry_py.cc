@@ -25,6 +25,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -111,30 +113,6 @@ milliseconds to_ms(double seconds) {
   if (ms > 1e15) return milliseconds(std::numeric_limits<int64_t>::max() / 2000000);
   return milliseconds(static_cast<int64_t>(ms));
 }
-
-// ---------------------------------------------------------------------------
-// engine box: shared by every object that talks to one engine
-
-struct PyRegion;
-
-struct EngineBox {
-  std::mutex mu;
-  std::shared_ptr<ferry::Engine> engine;  // null once closed
-  std::weak_ptr<ferry::Engine> weak;      // expired once really destroyed
-  std::unordered_set<PyRegion*> regions;  // live registered regions (GIL-protected)
-  uint64_t id = 0;
-
-  std::shared_ptr<ferry::Engine> get() {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!engine) raise(StatusCode::kInvalidArgument, "the engine is closed");
-    return engine;
-  }
-  std::shared_ptr<ferry::Engine> try_get() {
-    std::lock_guard<std::mutex> lock(mu);
-    return engine;
-  }
-};
-using BoxPtr = std::shared_ptr<EngineBox>;
 
 // ---------------------------------------------------------------------------
 // buffers: anything whose memory we can name by (pointer, size)
@@ -380,6 +358,74 @@ ferry::RemoteDescriptor parse_descriptor(nb::handle h) {
   return std::move(r).value();
 }
 
+// Whatever must stay alive until a transfer finishes.
+struct Holder {
+  std::vector<BufferRef> bufs;
+  std::vector<nb::object> objs;
+  ferry::Bytes notification;
+  void clear() {
+    bufs.clear();
+    objs.clear();
+  }
+  void leak() {
+    for (auto& b : bufs) b.leak();
+    for (auto& o : objs) o.release();
+    bufs.clear();
+    objs.clear();
+  }
+};
+
+// ---------------------------------------------------------------------------
+// engine box: shared by every object that talks to one engine
+
+struct PyRegion;
+
+struct EngineBox {
+  // Declared first so that it is destroyed last, after the engine.
+  std::vector<std::pair<ferry::TransferId, Holder>> orphans;
+  std::mutex mu;
+  std::shared_ptr<ferry::Engine> engine;  // null once closed
+  std::weak_ptr<ferry::Engine> weak;      // expired once really destroyed
+  std::unordered_set<PyRegion*> regions;  // live registered regions (GIL-protected)
+  uint64_t id = 0;
+
+  std::shared_ptr<ferry::Engine> get() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!engine) raise(StatusCode::kInvalidArgument, "the engine is closed");
+    return engine;
+  }
+  std::shared_ptr<ferry::Engine> try_get() {
+    std::lock_guard<std::mutex> lock(mu);
+    return engine;
+  }
+
+  // `orphans`: transfers nobody waits for any more (interrupted or dropped while
+  // running); their memory stays referenced until the engine reports them
+  // finished. GIL-protected.
+  void adopt(ferry::TransferId tid, Holder&& h) { orphans.emplace_back(tid, std::move(h)); }
+
+  // Drops orphans that have finished (GIL held; one non-blocking test each).
+  void reap(ferry::Engine& eng) {
+    if (orphans.empty()) return;
+    std::vector<ferry::TransferId> ids;
+    for (auto& o : orphans) ids.push_back(o.first);
+    std::vector<bool> done(ids.size());
+    without_gil([&] {
+      for (size_t i = 0; i < ids.size(); ++i)
+        done[i] = eng.test(ids[i]).code() != StatusCode::kInProgress;
+      return 0;
+    });
+    size_t j = 0;
+    for (size_t i = 0; i < orphans.size(); ++i) {
+      if (done[i]) continue;
+      if (i != j) orphans[j] = std::move(orphans[i]);
+      ++j;
+    }
+    orphans.resize(j);
+  }
+};
+using BoxPtr = std::shared_ptr<EngineBox>;
+
 // ---------------------------------------------------------------------------
 // Region
 
@@ -450,23 +496,6 @@ struct PyRegion {
 // ---------------------------------------------------------------------------
 // Transfer
 
-// Whatever must stay alive until a transfer finishes.
-struct Holder {
-  std::vector<BufferRef> bufs;
-  std::vector<nb::object> objs;
-  ferry::Bytes notification;
-  void clear() {
-    bufs.clear();
-    objs.clear();
-  }
-  void leak() {
-    for (auto& b : bufs) b.leak();
-    for (auto& o : objs) o.release();
-    bufs.clear();
-    objs.clear();
-  }
-};
-
 // Waits once for up to `slice`: the final status, or InProgress. Resolves the
 // ambiguity of Engine::wait answering Timeout (still running, or a final Timeout).
 ferry::Status wait_slice(ferry::Engine& eng, ferry::TransferId tid, milliseconds slice) {
@@ -477,15 +506,21 @@ ferry::Status wait_slice(ferry::Engine& eng, ferry::TransferId tid, milliseconds
   return t;                                          // InProgress or final
 }
 
-// Cancels and collects the final status (GIL released by caller or not needed).
-ferry::Status cancel_and_drain(ferry::Engine& eng, ferry::TransferId tid) {
+// Cancels, then takes the final status if the engine has it already
+// (InProgress otherwise: the caller hands the transfer to EngineBox::orphans).
+ferry::Status cancel_and_poll(ferry::Engine& eng, ferry::TransferId tid) {
   ferry::Status c = eng.cancel(tid);
   if (c.code() == StatusCode::kNotFound) return c;
-  const auto deadline = Clock::now() + std::chrono::seconds(5);
-  for (;;) {
-    ferry::Status st = wait_slice(eng, tid, milliseconds(100));
-    if (st.code() != StatusCode::kInProgress) return st;
-    if (Clock::now() > deadline) return st;
+  return wait_slice(eng, tid, milliseconds(0));
+}
+
+// Engine::cancel may block while the transfer's frames wait for a stalled
+// peer; a Ctrl-C must not wait for it, so it runs on a thread of its own.
+void cancel_in_background(const std::shared_ptr<ferry::Engine>& eng, ferry::TransferId tid) {
+  try {
+    std::thread([eng, tid] { (void)eng->cancel(tid); }).detach();
+  } catch (const std::system_error&) {
+    (void)eng->cancel(tid);  // no thread to be had: cancel here
   }
 }
 
@@ -500,16 +535,17 @@ struct PyTransfer {
   ferry::Status final_status;
   Holder holder;
 
+  // Dropped while running: cancel it; memory stays referenced until it ends.
   ~PyTransfer() {
-    if (!finished) {
-      auto eng = box->try_get();
-      if (eng) {
-        ferry::Status st = without_gil([&] { return cancel_and_drain(*eng, tid); });
-        finished = st.code() != StatusCode::kInProgress;
-      } else {
-        finished = box->weak.expired();  // engine destroyed: nothing moves any more
+    if (finished) return;
+    if (auto eng = box->try_get()) {
+      ferry::Status st = without_gil([&] { return wait_slice(*eng, tid, milliseconds(0)); });
+      if (st.code() == StatusCode::kInProgress) {
+        cancel_in_background(eng, tid);
+        box->adopt(tid, std::move(holder));
       }
-      if (!finished) holder.leak();  // memory may still be in use: never free it
+    } else if (!box->weak.expired()) {
+      holder.leak();  // closed but not yet destroyed: the memory may still be in use
     }
   }
 
@@ -591,7 +627,7 @@ struct PyTransfer {
     without_gil([&] {
       std::lock_guard<std::mutex> lock(mu);
       if (finished) return 0;
-      ferry::Status s = cancel_and_drain(*eng, tid);
+      ferry::Status s = cancel_and_poll(*eng, tid);
       if (s.code() != StatusCode::kInProgress) {
         finished = true;
         final_status = s;
@@ -609,10 +645,12 @@ struct PyTransfer {
   }
 };
 
-// Blocking completion of a transfer posted by a synchronous call: Ctrl-C or
-// the timeout cancel it (so no bytes move into local memory afterwards).
-void wait_sync(ferry::Engine& eng, ferry::TransferId tid, std::optional<double> timeout,
-               const char* op, size_t iovs) {
+// Blocking completion of a transfer posted by a synchronous call. Ctrl-C or the
+// timeout cancel it and return at once; the memory it used stays referenced
+// (EngineBox::orphans) until the engine reports its end.
+void wait_sync(EngineBox& box, const std::shared_ptr<ferry::Engine>& engp, ferry::TransferId tid,
+               std::optional<double> timeout, const char* op, size_t iovs, Holder& holder) {
+  ferry::Engine& eng = *engp;
   const bool bounded = timeout.has_value();
   const auto deadline = bounded ? Clock::now() + to_ms(*timeout) : Clock::time_point::max();
   for (;;) {
@@ -626,18 +664,22 @@ void wait_sync(ferry::Engine& eng, ferry::TransferId tid, std::optional<double> 
       check(st);
       return;
     }
-    if (PyErr_CheckSignals() != 0) {
-      nb::python_error interrupted;  // fetched: safe to call the engine now
-      (void)without_gil([&] { return cancel_and_drain(eng, tid); });
-      throw interrupted;
+    const bool interrupted = PyErr_CheckSignals() != 0;
+    const bool expired = !interrupted && bounded && Clock::now() >= deadline;
+    if (!interrupted && !expired) continue;
+    std::optional<nb::python_error> err;
+    if (interrupted) err.emplace();  // fetched: safe to call the engine now
+    ferry::Status fin = without_gil([&] { return wait_slice(eng, tid, milliseconds(0)); });
+    if (fin.code() == StatusCode::kInProgress) {
+      cancel_in_background(engp, tid);
+      box.adopt(tid, std::move(holder));
     }
-    if (bounded && Clock::now() >= deadline) {
-      ferry::Status fin = without_gil([&] { return cancel_and_drain(eng, tid); });
-      if (fin.ok()) return;  // finished in the meantime
-      raise(StatusCode::kTimeout, std::string(op) + " of " + std::to_string(iovs) +
-                                      " iovs did not finish within " +
-                                      std::to_string(*timeout) + " s; it was cancelled");
-    }
+    if (err) throw std::move(*err);
+    if (fin.ok()) return;  // finished in the meantime
+    if (fin.code() != StatusCode::kInProgress) check(fin);
+    raise(StatusCode::kTimeout, std::string(op) + " of " + std::to_string(iovs) +
+                                    " iovs did not finish within " + std::to_string(*timeout) +
+                                    " s; it was cancelled");
   }
 }
 
@@ -749,6 +791,7 @@ struct PyPeer {
                     std::optional<double> timeout, bool async_, Holder&& holder,
                     uint64_t total_bytes) {
     auto eng = box->get();
+    box->reap(*eng);
     std::optional<ferry::ByteView> note;
     if (!notify.is_none()) {
       if (op != Op::kWrite) raise(StatusCode::kInvalidArgument, "only a write can carry a notification");
@@ -763,7 +806,7 @@ struct PyPeer {
     });
     const ferry::TransferId tid = unwrap(std::move(r));
     if (!async_) {
-      wait_sync(*eng, tid, timeout, op_name(op), local.size());
+      wait_sync(*box, eng, tid, timeout, op_name(op), local.size(), holder);
       return nb::none();
     }
     auto* t = new PyTransfer();
@@ -1205,6 +1248,7 @@ struct PyEngine {
       eng.reset();
       return 0;
     });
+    if (box->weak.expired()) box->orphans.clear();  // nothing can touch their memory now
   }
 
   std::string repr() {

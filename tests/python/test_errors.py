@@ -197,17 +197,26 @@ def test_bad_arguments(engine):
 
 
 def test_peer_disconnected():
+    import os
+    import signal
+    size = 128 << 20
     with ferry.Engine() as engine:
         p = PeerProcess()
-        desc = p.call("alloc", "x", 1 << 20, 10, "rw")
+        desc = p.call("alloc", "x", size, 10, "rw")
         peer = engine.connect(p.metadata)
-        buf = np.zeros(1 << 20, np.uint8)
+        buf = np.zeros(size, np.uint8)
         region = engine.register(buf)
         peer.write([(region, 0, 4096)], [(desc, 0, 4096)])
-        p.kill()
+        os.kill(p.proc.pid, signal.SIGSTOP)  # the write below stalls in flight ...
+        t = peer.write_async([(region, 0, size)], [(desc, 0, size)])
+        p.kill()                             # ... until the peer dies
         with pytest.raises(ferry.PeerDisconnected):
-            for _ in range(100):  # the first may still be accepted by the kernel
-                peer.write([(region, 0, 1 << 20)], [(desc, 0, 1 << 20)], timeout=20)
+            t.wait(timeout=30)
+        assert t.status == ferry.StatusCode.PeerDisconnected
+        # A new call to the dead peer is refused at once. (The engine answers NotFound,
+        # "not connected", for a peer it has dropped.)
+        with pytest.raises((ferry.PeerDisconnected, ferry.NotFound)):
+            peer.write([(region, 0, 4096)], [(desc, 0, 4096)], timeout=20)
 
 
 def test_transfer_timeout_and_cancel(engine, target):
