@@ -759,7 +759,7 @@ void print_result(const Ctx& c, const RunResult& r) {
         {"batch", r.w.batch},  {"threads", o.threads},
         {"streams", c.streams_effective.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.streams_effective)},
         {"depth", o.depth},    {"iters", r.iters},
-        {"warmup", r.warmup},  {"bytes", static_cast<double>(r.iters) * o.threads * r.w.block * r.w.batch},
+        {"warmup", r.warmup},  {"bytes", r.iters * o.threads * r.w.block * r.w.batch},
         {"seconds", r.seconds}, {"gbps", r.gbps},
         {"p50_us", r.p50},     {"p99_us", r.p99},
         {"mean_us", r.mean},   {"min_us", r.min},
@@ -942,8 +942,8 @@ int run_initiator(const Opts& o) {
 
   auto st = engine->deregister_memory(region->id);
   if (!st.ok()) note(o, "deregister: %s", status_str(st).c_str());
+  engine.reset();  // disconnect first, then let the target go
   stop_child(false);
-  engine.reset();
   return 0;
 }
 

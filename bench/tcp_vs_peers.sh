@@ -1,0 +1,416 @@
+#!/usr/bin/env bash
+# Ferry (tcp) against the kernel's TCP limit (iperf3, one stream, loopback) and
+# UCX (ucx_perftest -t ucp_put_bw, UCX_TLS=tcp) on the same machine, in one run.
+#
+#   bench/tcp_vs_peers.sh              # full run (about 8-10 minutes on 2 cores)
+#   bench/tcp_vs_peers.sh -r 1 --quick # smoke run (about 2 minutes)
+#
+# Per repetition and per workload the three systems run back to back
+# (alternating), R repetitions (default 3); the table shows medians. Workloads:
+# 4KiB x batch 64, 64KiB, 1MiB, 16MiB (batch 1) and the KV-cache shape (298
+# blocks of 1,179,648 B per call). iperf3 runs with -l equal to the block size,
+# UCX with -s equal to the block size. Ferry runs `ferry-bench --spawn-local
+# --op write` (a target child process and the initiator, over loopback tcp).
+#
+# Also measured: the host-side cost of posting one 100,000 x 4 KiB write batch
+# (us per iov), VmRSS of an idle engine and over 10^6 completed 4 KiB writes,
+# qperf tcp_bw/tcp_lat for orientation. Floors are checked and printed
+# PASS/FAIL (issue 2, item 8). Results: bench/results/tcp_vs_peers-DATE.jsonl
+# (raw runs, medians, floors); plot them with bench/plot_tcp.py.
+#
+# Options:
+#   -r, --reps N        repetitions (default 3; env REPS)
+#   --quick             shorter runs, 10^5 transfers for the RSS check
+#   --no-build          use the existing build/tools/ferry-bench
+#   --build-dir DIR     build directory (default build; env BUILD_DIR)
+#   --ferry-args "..."  extra ferry-bench arguments for the throughput runs
+#                       (e.g. "--depth 4" or "--streams 4"); recorded in the output
+#   --skip-rss, --skip-post-cost, --skip-peers (iperf3/UCX), --skip-qperf
+# Exit status: 0 when it ran (floors may FAIL: see the table), 1 when it could
+# not run, 2 with --strict when a floor failed.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPS="${REPS:-3}"
+BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
+QUICK=0
+DO_BUILD=1
+DO_RSS=1
+DO_POST=1
+DO_PEERS=1
+DO_QPERF=1
+STRICT=0
+FERRY_ARGS="${FERRY_ARGS:-}"
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -r|--reps) REPS="$2"; shift 2 ;;
+    --quick) QUICK=1; shift ;;
+    --no-build) DO_BUILD=0; shift ;;
+    --build-dir) BUILD_DIR="$2"; shift 2 ;;
+    --ferry-args) FERRY_ARGS="$2"; shift 2 ;;
+    --skip-rss) DO_RSS=0; shift ;;
+    --skip-post-cost) DO_POST=0; shift ;;
+    --skip-peers) DO_PEERS=0; shift ;;
+    --skip-qperf) DO_QPERF=0; shift ;;
+    --strict) STRICT=1; shift ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    *) echo "tcp_vs_peers.sh: unknown argument '$1' (see --help)" >&2; exit 1 ;;
+  esac
+done
+
+log() { echo "[tcp_vs_peers] $*" >&2; }
+
+# --- tools -----------------------------------------------------------------
+need_pkgs=()
+command -v iperf3 >/dev/null 2>&1 || need_pkgs+=(iperf3)
+command -v ucx_perftest >/dev/null 2>&1 || need_pkgs+=(ucx-utils)
+command -v qperf >/dev/null 2>&1 || need_pkgs+=(qperf)
+command -v python3 >/dev/null 2>&1 || need_pkgs+=(python3)
+if [[ $DO_BUILD -eq 1 ]]; then
+  command -v cmake >/dev/null 2>&1 || need_pkgs+=(cmake)
+  command -v ninja >/dev/null 2>&1 || need_pkgs+=(ninja-build)
+  [[ -f /usr/include/CLI/CLI.hpp ]] || need_pkgs+=(libcli11-dev)
+  [[ -f /usr/include/nlohmann/json.hpp ]] || need_pkgs+=(nlohmann-json3-dev)
+fi
+if [[ ${#need_pkgs[@]} -gt 0 ]]; then
+  log "installing missing packages: ${need_pkgs[*]}"
+  SUDO=""
+  [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
+fi
+
+# --- build -----------------------------------------------------------------
+BENCH="$BUILD_DIR/tools/ferry-bench"
+if [[ $DO_BUILD -eq 1 ]]; then
+  if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
+    log "configuring $BUILD_DIR (Release)"
+    cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+  fi
+  log "building ferry-bench"
+  ninja -C "$BUILD_DIR" -j"${JOBS:-2}" ferry-bench >/dev/null
+fi
+[[ -x "$BENCH" ]] || { echo "tcp_vs_peers.sh: $BENCH not found (build failed?)" >&2; exit 1; }
+
+# --- run parameters ----------------------------------------------------------
+if [[ $QUICK -eq 1 ]]; then
+  T_SEC=1; FERRY_TIME=1; RSS_N=100000; UCX_BYTES=400000000
+else
+  T_SEC=3; FERRY_TIME=2.5; RSS_N=1000000; UCX_BYTES=1200000000
+fi
+POST_N=100000
+# name block_bytes batch
+WORKLOADS=(
+  "4KiBx64 4096 64"
+  "64KiB 65536 1"
+  "1MiB 1048576 1"
+  "16MiB 16777216 1"
+  "kv 1179648 298"
+)
+
+DATE="$(date -u +%Y%m%dT%H%M%SZ)"
+mkdir -p "$ROOT/bench/results"
+OUT="$ROOT/bench/results/tcp_vs_peers-$DATE.jsonl"
+TMP="$(mktemp -d)"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]:-}"; do [[ -n "$p" ]] && kill "$p" 2>/dev/null || true; done
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+wait_port() {  # port timeout_s: wait until something LISTENs on 127.0.0.1:port.
+  # Never probe by connecting: iperf3 -s -1 and ucx_perftest take the first
+  # connection as their one client.
+  local i
+  for ((i = 0; i < $2 * 20; i++)); do
+    if command -v ss >/dev/null 2>&1; then
+      [[ -n "$(ss -Hltn "sport = :$1" 2>/dev/null)" ]] && return 0
+    else
+      python3 -c "import sys; p='%04X' % $1; sys.exit(0 if any(l.split()[1].endswith(':'+p) and l.split()[3]=='0A' for l in list(open('/proc/net/tcp'))[1:]+list(open('/proc/net/tcp6'))[1:]) else 1)" && return 0
+    fi
+    sleep 0.05
+  done
+  return 1
+}
+emit() { echo "$1" >>"$OUT"; }
+reap() {  # pid: let a one-shot server exit by itself, else stop it
+  local i
+  for ((i = 0; i < 50; i++)); do
+    kill -0 "$1" 2>/dev/null || { wait "$1" 2>/dev/null || true; return 0; }
+    sleep 0.1
+  done
+  kill "$1" 2>/dev/null || true
+  sleep 0.2
+  kill -9 "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
+
+emit "$(python3 - "$DATE" "$REPS" "$QUICK" "$FERRY_ARGS" <<'PY'
+import json, os, platform, subprocess, sys
+model = ""
+try:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            model = line.split(":", 1)[1].strip()
+except OSError:
+    pass
+print(json.dumps({"kind": "run", "date": sys.argv[1], "reps": int(sys.argv[2]), "quick": sys.argv[3] == "1",
+                  "ferry_args": sys.argv[4], "nproc": os.cpu_count(), "cpu": model,
+                  "kernel": platform.release()}))
+PY
+)"
+
+# --- one measurement per system (each prints GB/s or empty on failure) -------
+run_ferry() {  # name block batch rep
+  local name=$1 block=$2 batch=$3 rep=$4 line
+  # shellcheck disable=SC2086
+  if line=$("$BENCH" --spawn-local --op write --json -q -s "$block" -b "$batch" --time "$FERRY_TIME" \
+      $FERRY_ARGS 2>"$TMP/ferry.err" | tail -n 1) && [[ -n "$line" ]]; then
+    emit "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(kind="measure", system="ferry", name=sys.argv[2], rep=int(sys.argv[3])); print(json.dumps(d))' "$line" "$name" "$rep")"
+    python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$line"
+  else
+    log "ferry-bench failed for $name: $(tail -n 3 "$TMP/ferry.err" | tr '\n' ' ')"
+    emit "{\"kind\":\"error\",\"system\":\"ferry\",\"name\":\"$name\",\"rep\":$rep,\"error\":$(python3 -c 'import json,sys; print(json.dumps(open(sys.argv[1]).read()[-2000:]))' "$TMP/ferry.err")}"
+  fi
+}
+
+run_iperf3() {  # name block rep
+  local name=$1 block=$2 rep=$3 port gbps
+  port=$(free_port)
+  timeout 60 iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
+  local spid=$!
+  PIDS+=("$spid")
+  wait_port "$port" 5 || { log "iperf3 server did not start"; return; }
+  if iperf3 -c 127.0.0.1 -p "$port" -t "$T_SEC" -l "$block" -J >"$TMP/iperf.json" 2>/dev/null; then
+    gbps=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["end"]["sum_received"]["bits_per_second"]/8/1e9)' "$TMP/iperf.json")
+    emit "{\"kind\":\"measure\",\"system\":\"iperf3\",\"name\":\"$name\",\"block_size\":$block,\"rep\":$rep,\"gbps\":$gbps,\"args\":\"-t $T_SEC -l $block\"}"
+    echo "$gbps"
+  else
+    log "iperf3 failed for $name"
+  fi
+  reap "$spid"
+}
+
+run_ucx() {  # name block rep
+  local name=$1 block=$2 rep=$3 port n w mbps gbps
+  port=$(free_port)
+  n=$((UCX_BYTES / block)); ((n < 50)) && n=50
+  w=$((n / 10)); ((w < 5)) && w=5
+  UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 200 ucx_perftest -p "$port" >"$TMP/ucx_srv.txt" 2>&1 &
+  local spid=$!
+  PIDS+=("$spid")
+  wait_port "$port" 10 || { log "ucx_perftest server did not start"; return; }
+  if UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw \
+      -s "$block" -n "$n" -w "$w" -f >"$TMP/ucx.txt" 2>&1; then
+    # Final line: iters p50 avg overall | bw avg, bw overall (MB/s = 2^20 B/s) | msg rates
+    mbps=$(awk 'NF==8 && $1 ~ /^[0-9]+$/ {v=$6} END {print v}' "$TMP/ucx.txt")
+    if [[ -n "$mbps" ]]; then
+      gbps=$(python3 -c "print($mbps*1048576/1e9)")
+      emit "{\"kind\":\"measure\",\"system\":\"ucx\",\"name\":\"$name\",\"block_size\":$block,\"rep\":$rep,\"gbps\":$gbps,\"mbps_2p20\":$mbps,\"args\":\"-t ucp_put_bw -s $block -n $n -w $w\"}"
+      echo "$gbps"
+    else
+      log "could not parse ucx_perftest output for $name: $(tail -n 2 "$TMP/ucx.txt")"
+    fi
+  else
+    log "ucx_perftest failed for $name: $(tail -n 2 "$TMP/ucx.txt" | tr '\n' ' ')"
+  fi
+  reap "$spid"
+}
+
+# --- throughput, alternating ---------------------------------------------------
+start=$(date +%s)
+log "results -> $OUT"
+for ((rep = 1; rep <= REPS; rep++)); do
+  for wl in "${WORKLOADS[@]}"; do
+    read -r name block batch <<<"$wl"
+    # rotate the order each repetition so no system always runs first
+    order=(ferry iperf3 ucx)
+    ((rep % 3 == 2)) && order=(iperf3 ucx ferry)
+    ((rep % 3 == 0)) && order=(ucx ferry iperf3)
+    for sys in "${order[@]}"; do
+      case $sys in
+        ferry) v=$(run_ferry "$name" "$block" "$batch" "$rep") ;;
+        iperf3) [[ $DO_PEERS -eq 1 ]] && v=$(run_iperf3 "$name" "$block" "$rep") || v="" ;;
+        ucx) [[ $DO_PEERS -eq 1 ]] && v=$(run_ucx "$name" "$block" "$rep") || v="" ;;
+      esac
+      log "rep $rep/$REPS $name $sys: ${v:-n/a} GB/s"
+    done
+  done
+done
+
+# --- qperf, for orientation ---------------------------------------------------------
+if [[ $DO_QPERF -eq 1 ]]; then
+  port=$(free_port)
+  qperf -lp "$port" >/dev/null 2>&1 &
+  QPID=$!
+  PIDS+=("$QPID")
+  if wait_port "$port" 5; then
+    for ((rep = 1; rep <= REPS; rep++)); do
+      if qperf -lp "$port" -t "$T_SEC" -m 1M 127.0.0.1 tcp_bw >"$TMP/qbw.txt" 2>&1 &&
+         qperf -lp "$port" -t "$T_SEC" -m 64 127.0.0.1 tcp_lat >"$TMP/qlat.txt" 2>&1; then
+        emit "$(python3 - "$TMP/qbw.txt" "$TMP/qlat.txt" "$rep" <<'PY'
+import json, re, sys
+units = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+bw = re.search(r"bw\s*=\s*([\d.]+)\s*([KMG]?B)/sec", open(sys.argv[1]).read())
+lat = re.search(r"latency\s*=\s*([\d.]+)\s*(ns|us|ms)", open(sys.argv[2]).read())
+d = {"kind": "measure", "system": "qperf", "name": "qperf", "rep": int(sys.argv[3])}
+if bw: d["tcp_bw_1MiB_gbps"] = float(bw.group(1)) * units[bw.group(2)] / 1e9
+if lat: d["tcp_lat_64B_us"] = float(lat.group(1)) * {"ns": 1e-3, "us": 1, "ms": 1e3}[lat.group(2)]
+print(json.dumps(d))
+PY
+)"
+      else
+        log "qperf failed: $(tail -n 2 "$TMP/qbw.txt" "$TMP/qlat.txt" | tr '\n' ' ')"
+      fi
+    done
+  else
+    log "qperf server did not start"
+  fi
+  kill "$QPID" 2>/dev/null || true
+fi
+
+# --- post cost and memory -------------------------------------------------------------
+if [[ $DO_POST -eq 1 ]]; then
+  log "post cost: one write_async of $POST_N x 4 KiB"
+  if line=$("$BENCH" --spawn-local --json -q --post-cost "$POST_N" 2>"$TMP/post.err" | tail -n 1) && [[ -n "$line" ]]; then
+    emit "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(kind="post_cost"); print(json.dumps(d))' "$line")"
+  else
+    log "post-cost run failed: $(tail -n 3 "$TMP/post.err" | tr '\n' ' ')"
+    emit "{\"kind\":\"error\",\"system\":\"ferry\",\"name\":\"post_cost\",\"error\":$(python3 -c 'import json,sys; print(json.dumps(open(sys.argv[1]).read()[-2000:]))' "$TMP/post.err")}"
+  fi
+fi
+if [[ $DO_RSS -eq 1 ]]; then
+  log "RSS: idle engine and over $RSS_N completed 4 KiB writes"
+  if line=$("$BENCH" --spawn-local --json -q --rss --rss-transfers "$RSS_N" --depth 16 2>"$TMP/rss.err" | tail -n 1) && [[ -n "$line" ]]; then
+    emit "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(kind="rss"); print(json.dumps(d))' "$line")"
+  else
+    log "rss run failed: $(tail -n 3 "$TMP/rss.err" | tr '\n' ' ')"
+    emit "{\"kind\":\"error\",\"system\":\"ferry\",\"name\":\"rss\",\"error\":$(python3 -c 'import json,sys; print(json.dumps(open(sys.argv[1]).read()[-2000:]))' "$TMP/rss.err")}"
+  fi
+fi
+
+# --- PyPI peer engines -------------------------------------------------------------------
+for peer in "nixl:NIXL (UCX backend)" "mooncake-transfer-engine-non-cuda:Mooncake Transfer Engine (tcp)"; do
+  emit "{\"kind\":\"not_run\",\"system\":\"${peer%%:*}\",\"what\":\"${peer#*:}\",\"reason\":\"not run by this script: it needs a PyPI install plus a Python driver for each engine's own API and bootstrap; UCX put_bw (the transport under NIXL) stands in for NIXL here\"}"
+done
+
+elapsed=$(($(date +%s) - start))
+emit "{\"kind\":\"elapsed\",\"seconds\":$elapsed}"
+
+# --- summary ------------------------------------------------------------------------------
+set +e
+python3 - "$OUT" <<'PY'
+import json, statistics, sys
+
+path = sys.argv[1]
+rows = [json.loads(l) for l in open(path) if l.strip()]
+order = ["4KiBx64", "64KiB", "1MiB", "16MiB", "kv"]
+label = {"4KiBx64": "4KiB x64", "64KiB": "64KiB", "1MiB": "1MiB", "16MiB": "16MiB", "kv": "KV 298x1152KiB"}
+
+def med(system, name, key="gbps"):
+    v = [r[key] for r in rows if r.get("kind") == "measure" and r.get("system") == system
+         and r.get("name") == name and r.get(key) is not None]
+    return (statistics.median(v), len(v)) if v else (None, 0)
+
+def f(v, fmt="{:.3f}"):
+    return fmt.format(v) if v is not None else "n/a"
+
+summary = []
+print()
+print("Ferry (tcp) vs iperf3 (1 stream, -l = block) vs UCX put_bw (UCX_TLS=tcp), loopback, GB/s = 10^9 B/s, median")
+hdr = f"{'workload':<16} {'Ferry':>8} {'iperf3':>8} {'F/iperf3':>9} {'UCX':>8} {'F/UCX':>7} {'Ferry p50 us':>13} {'p99 us':>10} {'n':>5}"
+print(hdr)
+print("-" * len(hdr))
+for name in order:
+    fg, n = med("ferry", name)
+    ig, _ = med("iperf3", name)
+    ug, _ = med("ucx", name)
+    p50, _ = med("ferry", name, "p50_us")
+    p99, _ = med("ferry", name, "p99_us")
+    ri = fg / ig if fg and ig else None
+    ru = fg / ug if fg and ug else None
+    s = {"kind": "summary", "name": name, "ferry_gbps": fg, "iperf3_gbps": ig, "ucx_gbps": ug,
+         "ratio_iperf3": ri, "ratio_ucx": ru, "ferry_p50_us": p50, "ferry_p99_us": p99, "reps": n}
+    summary.append(s)
+    print(f"{label[name]:<16} {f(fg):>8} {f(ig):>8} {f(ri, '{:.2f}'):>9} {f(ug):>8} {f(ru, '{:.2f}'):>7} "
+          f"{f(p50, '{:.1f}'):>13} {f(p99, '{:.1f}'):>10} {n:>5}")
+
+q = [r for r in rows if r.get("system") == "qperf"]
+if q:
+    bw = statistics.median([r["tcp_bw_1MiB_gbps"] for r in q if "tcp_bw_1MiB_gbps" in r] or [0])
+    lat = statistics.median([r["tcp_lat_64B_us"] for r in q if "tcp_lat_64B_us" in r] or [0])
+    print(f"qperf (orientation): tcp_bw 1MiB {bw:.3f} GB/s, tcp_lat 64B {lat:.1f} us")
+
+floors = []
+def floor(name, ok, detail):
+    floors.append({"kind": "floor", "floor": name, "result": "PASS" if ok else ("FAIL" if ok is not None else "N/A"), "detail": detail})
+
+one = next(s for s in summary if s["name"] == "1MiB")
+if one["ferry_gbps"] and one["iperf3_gbps"]:
+    floor("Ferry 1MiB >= 0.85 x iperf3 -l 1M", one["ratio_iperf3"] >= 0.85,
+          f"{one['ferry_gbps']:.3f} vs {one['iperf3_gbps']:.3f} GB/s = {one['ratio_iperf3']:.2f}x")
+else:
+    floor("Ferry 1MiB >= 0.85 x iperf3 -l 1M", None, "missing measurement")
+for s in summary:
+    nm = f"Ferry >= 2 x UCX put_bw at {label[s['name']]}"
+    if s["ferry_gbps"] and s["ucx_gbps"]:
+        floor(nm, s["ratio_ucx"] >= 2.0, f"{s['ferry_gbps']:.3f} vs {s['ucx_gbps']:.3f} GB/s = {s['ratio_ucx']:.2f}x")
+    else:
+        floor(nm, None, "missing measurement")
+
+post = next((r for r in rows if r.get("kind") == "post_cost"), None)
+rss = next((r for r in rows if r.get("kind") == "rss"), None)
+print()
+if post:
+    print(f"post cost: one write_async of {post['batch']} x 4KiB: {post['post_us']:.0f} us inside the call = "
+          f"{post['post_us_per_iov']:.3f} us/iov (aim < 1); post to completion {post['total_us']:.0f} us = "
+          f"{post['total_us_per_iov']:.3f} us/iov, {post['gbps']:.3f} GB/s")
+    floor("post cost < 1 us/iov (aim)", post["post_us_per_iov"] < 1.0, f"{post['post_us_per_iov']:.3f} us/iov")
+else:
+    print("post cost: not measured")
+if rss:
+    mib = lambda k: rss[k] / 1024 if rss.get(k, -1) >= 0 else None
+    print(f"RSS (MiB): idle engine: target {f(mib('target_idle_kib'), '{:.1f}')}, initiator {f(mib('initiator_idle_kib'), '{:.1f}')}"
+          f" (initiator process before its engine: {f(mib('initiator_start_kib'), '{:.1f}')})")
+    ti, ii = rss["target_after_kib"] - rss["target_before_kib"], rss["initiator_after_kib"] - rss["initiator_before_kib"]
+    print(f"RSS over {rss['transfers']} completed 4KiB writes ({rss['transfers_per_s']:.0f}/s): "
+          f"target {rss['target_before_kib']/1024:.1f} -> {rss['target_after_kib']/1024:.1f} MiB ({ti:+d} KiB), "
+          f"initiator {rss['initiator_before_kib']/1024:.1f} -> {rss['initiator_after_kib']/1024:.1f} MiB ({ii:+d} KiB)")
+    idle = max(rss["target_idle_kib"], rss["initiator_idle_kib"])
+    floor("idle engine RSS < 50 MiB", idle < 50 * 1024, f"max(target, initiator) = {idle/1024:.1f} MiB")
+    # "Not growing": the registered buffers are touched before the baseline, so
+    # what is left is engine state; allow 2 MiB of allocator noise.
+    grow = max(ti, ii)
+    floor(f"RSS not growing over {rss['transfers']} transfers (<= 2 MiB)", grow <= 2048, f"max growth {grow:+d} KiB")
+else:
+    print("RSS: not measured")
+    floor("idle engine RSS < 50 MiB", None, "not measured")
+    floor("RSS not growing over 10^6 transfers", None, "not measured")
+
+print()
+for fl in floors:
+    print(f"  {fl['result']:<4}  {fl['floor']}: {fl['detail']}")
+for r in rows:
+    if r.get("kind") == "not_run":
+        print(f"  not run: {r['system']} ({r['what']}): {r['reason']}")
+errs = [r for r in rows if r.get("kind") == "error"]
+for e in errs:
+    print(f"  ERROR {e['system']} {e['name']}: {e['error'].strip().splitlines()[-1] if e['error'].strip() else '?'}")
+el = next((r["seconds"] for r in rows if r.get("kind") == "elapsed"), None)
+if el is not None:
+    print(f"  ({el} s; raw results {path})")
+
+with open(path, "a") as out:
+    for s in summary:
+        out.write(json.dumps(s) + "\n")
+    for fl in floors:
+        out.write(json.dumps(fl) + "\n")
+sys.exit(1 if any(fl["result"] == "FAIL" for fl in floors) else 0)
+PY
+rc=$?
+set -e
+if [[ $rc -ne 0 && $STRICT -eq 1 ]]; then exit 2; fi
+exit 0
