@@ -1,0 +1,106 @@
+// GPU memory over the tcp transport vs host memory over the same transport,
+// alternating in one run (loopback, two engines in this process, real
+// sockets). Workload: --block bytes x --batch iovs per WRITE (and READ).
+// Prints one table row per (memory, op) and the ratio GPU / host.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "ferry/engine.h"
+#include "ferry/gpu.h"
+
+using namespace ferry;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Side {
+  uint8_t* local;
+  RemoteDescriptor remote;
+};
+
+double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block, size_t batch,
+           int iters) {
+  std::vector<LocalIov> l(batch);
+  std::vector<RemoteIov> r(batch);
+  for (size_t i = 0; i < batch; ++i) {
+    l[i] = {side.local + i * block, block};
+    r[i] = {&side.remote, i * block, block};
+  }
+  auto once = [&] {
+    Status s = write ? e.write(peer, l, r) : e.read(peer, l, r);
+    if (!s.ok()) {
+      std::fprintf(stderr, "transfer failed: %s\n", s.to_string().c_str());
+      std::exit(1);
+    }
+  };
+  for (int i = 0; i < 3; ++i) once();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) once();
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  return static_cast<double>(block) * batch * iters / s / 1e9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  uint64_t block = 1 << 20;
+  size_t batch = 16;
+  int iters = 40, reps = 5;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string a = argv[i];
+    if (a == "--block") block = std::stoull(argv[i + 1]);
+    if (a == "--batch") batch = std::stoull(argv[i + 1]);
+    if (a == "--iters") iters = std::stoi(argv[i + 1]);
+    if (a == "--reps") reps = std::stoi(argv[i + 1]);
+  }
+  std::string reason;
+  if (!cuda_available(&reason)) {
+    std::printf("skipped: %s\n", reason.c_str());
+    return 0;
+  }
+  const size_t bytes = block * batch;
+  auto a = Engine::create().value();
+  auto b = Engine::create().value();
+  std::vector<uint8_t> host_a(bytes, 1), host_b(bytes, 2);
+  void *gpu_a = nullptr, *gpu_b = nullptr;
+  cudaSetDevice(0);
+  if (cudaMalloc(&gpu_a, bytes) != cudaSuccess || cudaMalloc(&gpu_b, bytes) != cudaSuccess) {
+    std::printf("cudaMalloc failed\n");
+    return 1;
+  }
+  cudaMemset(gpu_a, 1, bytes);
+  a->register_memory(host_a.data(), bytes).value();
+  a->register_memory(gpu_a, bytes).value();
+  auto rhb = b->register_memory(host_b.data(), bytes).value();
+  auto rgb = b->register_memory(gpu_b, bytes).value();
+  const PeerId peer = a->connect(b->metadata()).value();
+  const Side host{host_a.data(), b->advertise(rhb.id).value()};
+  const Side gpu{static_cast<uint8_t*>(gpu_a), b->advertise(rgb.id).value()};
+  std::printf("tcp loopback, %llu B x %zu iovs per call, median of %d runs of %d calls\n",
+              static_cast<unsigned long long>(block), batch, reps, iters);
+  std::printf("%-6s %-12s %-12s %-8s\n", "op", "host GB/s", "GPU GB/s", "GPU/host");
+  for (bool write : {true, false}) {
+    std::vector<double> h, g;
+    for (int rep = 0; rep < reps; ++rep) {  // alternate: same conditions for both
+      h.push_back(run(*a, peer, host, write, block, batch, iters));
+      g.push_back(run(*a, peer, gpu, write, block, batch, iters));
+    }
+    std::sort(h.begin(), h.end());
+    std::sort(g.begin(), g.end());
+    const double hm = h[h.size() / 2], gm = g[g.size() / 2];
+    std::printf("%-6s %-12.2f %-12.2f %-8.2f\n", write ? "write" : "read", hm, gm, gm / hm);
+    std::printf("{\"bench\":\"tcp_gpu\",\"op\":\"%s\",\"block_size\":%llu,\"batch\":%zu,"
+                "\"host_gbps\":%.3f,\"gpu_gbps\":%.3f,\"ratio\":%.3f}\n",
+                write ? "write" : "read", static_cast<unsigned long long>(block), batch, hm, gm,
+                gm / hm);
+  }
+  cudaFree(gpu_a);
+  cudaFree(gpu_b);
+  return 0;
+}
