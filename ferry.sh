@@ -18,6 +18,7 @@ DEBIAN_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libsodium-dev zlib1g-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev googletest iproute2 python3 python3-venv python3-dev
+  clang libclang-rt-14-dev
 )
 
 install_debian_packages() {
@@ -83,6 +84,9 @@ run_tests() {
   log "C++ tests (ctest)"
   local status=0
   (cd "$BUILD" && ctest --output-on-failure -j2 --timeout 600 "$@") || status=$?
+  log "fuzzing (bounded: ${FERRY_FUZZ_SECONDS:-20} s per target)"
+  FERRY_FUZZ_SECONDS=${FERRY_FUZZ_SECONDS:-20} FERRY_FUZZ_BUILD_DIR="$BUILD-fuzz" \
+    "$ROOT/tests/fuzz/run.sh" || status=$?
   if [ -f "$ROOT/pyproject.toml" ] && [ -d "$ROOT/tests/python" ]; then
     build_python
     log "Python tests (pytest)"
