@@ -781,6 +781,12 @@ struct Scratch {
 };
 thread_local Scratch t_scratch;
 
+// Nanoseconds the binding spent on the last transfer call of this thread before
+// handing it to the engine (argument conversion, iov arrays): what a Python call
+// costs on top of the same C++ call. Read by bench/python_bench.py.
+thread_local uint64_t t_binding_ns = 0;
+thread_local Clock::time_point t_call_start;
+
 struct PyPeer {
   BoxPtr box;
   uint64_t id = 0;
@@ -800,6 +806,8 @@ struct PyPeer {
       note = ferry::ByteView(holder.notification);
     }
     const uint64_t peer = id;
+    t_binding_ns = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t_call_start).count());
     ferry::Result<ferry::TransferId> r = without_gil([&]() -> ferry::Result<ferry::TransferId> {
       return op == Op::kWrite ? eng->write_async(peer, local, remote, note)
                               : eng->read_async(peer, local, remote);
@@ -823,6 +831,7 @@ struct PyPeer {
   // remote: list of (descriptor[, offset[, length]]) or one such entry.
   nb::object transfer(Op op, nb::handle local, nb::handle remote, nb::handle notify,
                       std::optional<double> timeout, bool async_) {
+    t_call_start = Clock::now();
     (void)box->get();  // a closed engine is the first thing to report
     nb::object local_list = as_entry_list(local, /*remote=*/false);
     nb::object remote_list = as_entry_list(remote, /*remote=*/true);
@@ -961,6 +970,7 @@ struct PyPeer {
   nb::object batch(Op op, PyRegion* region, nb::handle local_offsets, nb::handle descriptors,
                    nb::handle desc_index, nb::handle remote_offsets, nb::handle lengths,
                    nb::handle notify, std::optional<double> timeout, bool async_) {
+    t_call_start = Clock::now();
     (void)box->get();
     Holder holder;
     char* base = nullptr;
@@ -1308,6 +1318,8 @@ NB_MODULE(_ferry, m) {
   m.def("_raise_status", [](int code, const std::string& msg) {
     raise(static_cast<StatusCode>(code), msg);
   }, "Raise the exception of a status code (testing aid).");
+  m.def("_last_binding_ns", [] { return t_binding_ns; },
+        "ns the binding spent before the engine call, for the last transfer call of this thread");
   m.def("version", [] { return std::string(ferry::version()); });
   m.def("protocol_version", [] { return ferry::protocol_version(); });
   m.def("_address_of", [](nb::handle obj) {
