@@ -25,6 +25,7 @@
 #   --build-dir DIR     build directory (default build; env BUILD_DIR)
 #   --ferry-args "..."  extra ferry-bench arguments for the throughput runs
 #                       (e.g. "--depth 4" or "--streams 4"); recorded in the output
+#   --depths "1 8"      ferry-bench --depth values to run (env FERRY_DEPTHS)
 #   --skip-rss, --skip-post-cost, --skip-peers (iperf3/UCX), --skip-qperf
 # Exit status: 0 when it ran (floors may FAIL: see the table), 1 when it could
 # not run, 2 with --strict when a floor failed.
@@ -41,6 +42,10 @@ DO_PEERS=1
 DO_QPERF=1
 STRICT=0
 FERRY_ARGS="${FERRY_ARGS:-}"
+# Ferry runs twice per workload: blocking calls (depth 1: write() returns when
+# the target acknowledged; a call's latency bounds its bandwidth) and pipelined
+# (depth 8 write_async() calls in flight, as put_bw and iperf3 keep data in flight).
+FERRY_DEPTHS="${FERRY_DEPTHS:-1 8}"
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -49,6 +54,7 @@ while [[ $# -gt 0 ]]; do
     --no-build) DO_BUILD=0; shift ;;
     --build-dir) BUILD_DIR="$2"; shift 2 ;;
     --ferry-args) FERRY_ARGS="$2"; shift 2 ;;
+    --depths) FERRY_DEPTHS="$2"; shift 2 ;;
     --skip-rss) DO_RSS=0; shift ;;
     --skip-post-cost) DO_POST=0; shift ;;
     --skip-peers) DO_PEERS=0; shift ;;
@@ -95,9 +101,9 @@ fi
 
 # --- run parameters ----------------------------------------------------------
 if [[ $QUICK -eq 1 ]]; then
-  T_SEC=1; FERRY_TIME=1; RSS_N=100000; UCX_BYTES=400000000
+  T_SEC=1; FERRY_TIME=1; RSS_N=100000; UCX_BYTES=400000000; UCX_CAL_BYTES=40000000
 else
-  T_SEC=3; FERRY_TIME=2.5; RSS_N=1000000; UCX_BYTES=1200000000
+  T_SEC=3; FERRY_TIME=2.5; RSS_N=1000000; UCX_BYTES=1200000000; UCX_CAL_BYTES=100000000
 fi
 POST_N=100000
 # name block_bytes batch
@@ -148,7 +154,7 @@ reap() {  # pid: let a one-shot server exit by itself, else stop it
   wait "$1" 2>/dev/null || true
 }
 
-emit "$(python3 - "$DATE" "$REPS" "$QUICK" "$FERRY_ARGS" <<'PY'
+emit "$(python3 - "$DATE" "$REPS" "$QUICK" "$FERRY_ARGS" "$FERRY_DEPTHS" <<'PY'
 import json, os, platform, subprocess, sys
 model = ""
 try:
@@ -158,17 +164,17 @@ try:
 except OSError:
     pass
 print(json.dumps({"kind": "run", "date": sys.argv[1], "reps": int(sys.argv[2]), "quick": sys.argv[3] == "1",
-                  "ferry_args": sys.argv[4], "nproc": os.cpu_count(), "cpu": model,
+                  "ferry_args": sys.argv[4], "ferry_depths": [int(x) for x in sys.argv[5].split()], "nproc": os.cpu_count(), "cpu": model,
                   "kernel": platform.release()}))
 PY
 )"
 
 # --- one measurement per system (each prints GB/s or empty on failure) -------
-run_ferry() {  # name block batch rep
-  local name=$1 block=$2 batch=$3 rep=$4 line
+run_ferry() {  # name block batch rep depth
+  local name=$1 block=$2 batch=$3 rep=$4 depth=$5 line
   # shellcheck disable=SC2086
-  if line=$("$BENCH" --spawn-local --op write --json -q -s "$block" -b "$batch" --time "$FERRY_TIME" \
-      $FERRY_ARGS 2>"$TMP/ferry.err" | tail -n 1) && [[ -n "$line" ]]; then
+  if line=$("$BENCH" --spawn-local --op write --json -q --verify -s "$block" -b "$batch" --time "$FERRY_TIME" \
+      --depth "$depth" $FERRY_ARGS 2>"$TMP/ferry.err" | tail -n 1) && [[ -n "$line" ]]; then
     emit "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(kind="measure", system="ferry", name=sys.argv[2], rep=int(sys.argv[3])); print(json.dumps(d))' "$line" "$name" "$rep")"
     python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$line"
   else
@@ -178,15 +184,19 @@ run_ferry() {  # name block batch rep
 }
 
 run_iperf3() {  # name block rep
-  local name=$1 block=$2 rep=$3 port gbps
+  local name=$1 block=$2 rep=$3 port gbps len
+  # iperf3 refuses -l above 1 MiB ("block size too large (maximum = 1048576
+  # bytes)"): larger workloads are compared with its largest write size.
+  len=$block
+  ((len > 1048576)) && len=1048576
   port=$(free_port)
   timeout 60 iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
   local spid=$!
   PIDS+=("$spid")
   wait_port "$port" 5 || { log "iperf3 server did not start"; return; }
-  if iperf3 -c 127.0.0.1 -p "$port" -t "$T_SEC" -l "$block" -J >"$TMP/iperf.json" 2>/dev/null; then
+  if iperf3 -c 127.0.0.1 -p "$port" -t "$T_SEC" -l "$len" -J >"$TMP/iperf.json" 2>/dev/null; then
     gbps=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["end"]["sum_received"]["bits_per_second"]/8/1e9)' "$TMP/iperf.json")
-    emit "{\"kind\":\"measure\",\"system\":\"iperf3\",\"name\":\"$name\",\"block_size\":$block,\"rep\":$rep,\"gbps\":$gbps,\"args\":\"-t $T_SEC -l $block\"}"
+    emit "{\"kind\":\"measure\",\"system\":\"iperf3\",\"name\":\"$name\",\"block_size\":$block,\"rep\":$rep,\"gbps\":$gbps,\"iperf3_l\":$len,\"args\":\"-t $T_SEC -l $len\"}"
     echo "$gbps"
   else
     log "iperf3 failed for $name"
@@ -194,10 +204,12 @@ run_iperf3() {  # name block rep
   reap "$spid"
 }
 
-run_ucx() {  # name block rep
+declare -A UCX_N=()
+run_ucx() {  # name block rep [iterations]: prints GB/s
   local name=$1 block=$2 rep=$3 port n w mbps gbps
   port=$(free_port)
-  n=$((UCX_BYTES / block)); ((n < 50)) && n=50
+  n=${4:-${UCX_N[$name]:-$((UCX_BYTES / block))}}
+  ((n < 20)) && n=20
   w=$((n / 10)); ((w < 5)) && w=5
   UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 200 ucx_perftest -p "$port" >"$TMP/ucx_srv.txt" 2>&1 &
   local spid=$!
@@ -209,7 +221,7 @@ run_ucx() {  # name block rep
     mbps=$(awk 'NF==8 && $1 ~ /^[0-9]+$/ {v=$6} END {print v}' "$TMP/ucx.txt")
     if [[ -n "$mbps" ]]; then
       gbps=$(python3 -c "print($mbps*1048576/1e9)")
-      emit "{\"kind\":\"measure\",\"system\":\"ucx\",\"name\":\"$name\",\"block_size\":$block,\"rep\":$rep,\"gbps\":$gbps,\"mbps_2p20\":$mbps,\"args\":\"-t ucp_put_bw -s $block -n $n -w $w\"}"
+      [[ $rep -gt 0 ]] && emit "{\"kind\":\"measure\",\"system\":\"ucx\",\"name\":\"$name\",\"block_size\":$block,\"rep\":$rep,\"gbps\":$gbps,\"mbps_2p20\":$mbps,\"args\":\"-t ucp_put_bw -s $block -n $n -w $w\"}"
       echo "$gbps"
     else
       log "could not parse ucx_perftest output for $name: $(tail -n 2 "$TMP/ucx.txt")"
@@ -220,9 +232,31 @@ run_ucx() {  # name block rep
   reap "$spid"
 }
 
+run_one() {  # system name block batch rep [depth]
+  local v="" label=$1
+  case $1 in
+    ferry) v=$(run_ferry "$2" "$3" "$4" "$5" "$6"); label="ferry depth $6" ;;
+    iperf3) [[ $DO_PEERS -eq 1 ]] && v=$(run_iperf3 "$2" "$3" "$5") ;;
+    ucx) [[ $DO_PEERS -eq 1 ]] && v=$(run_ucx "$2" "$3" "$5") ;;
+  esac
+  log "rep $5/$REPS $2 $label: ${v:-n/a} GB/s"
+}
+
 # --- throughput, alternating ---------------------------------------------------
 start=$(date +%s)
 log "results -> $OUT"
+if [[ $DO_PEERS -eq 1 ]]; then
+  # ucx_perftest has no time limit: size -n from a short calibration run so each
+  # measured run takes about T_SEC seconds (UCX over tcp varies 20x across sizes).
+  for wl in "${WORKLOADS[@]}"; do
+    read -r name block batch <<<"$wl"
+    v=$(run_ucx "$name" "$block" 0 $((UCX_CAL_BYTES / block)))
+    if [[ -n "$v" ]]; then
+      UCX_N[$name]=$(python3 -c "print(max(20, int($v * 1e9 * $T_SEC / $block)))")
+    fi
+    log "UCX calibration $name: ${v:-n/a} GB/s -> -n ${UCX_N[$name]:-default}"
+  done
+fi
 for ((rep = 1; rep <= REPS; rep++)); do
   for wl in "${WORKLOADS[@]}"; do
     read -r name block batch <<<"$wl"
@@ -231,15 +265,12 @@ for ((rep = 1; rep <= REPS; rep++)); do
     ((rep % 3 == 2)) && order=(iperf3 ucx ferry)
     ((rep % 3 == 0)) && order=(ucx ferry iperf3)
     for sys in "${order[@]}"; do
-      case $sys in
-        ferry) v=$(run_ferry "$name" "$block" "$batch" "$rep") ;;
-        iperf3) [[ $DO_PEERS -eq 1 ]] && v=$(run_iperf3 "$name" "$block" "$rep") || v="" ;;
-        ucx) [[ $DO_PEERS -eq 1 ]] && v=$(run_ucx "$name" "$block" "$rep") || v="" ;;
-      esac
-      log "rep $rep/$REPS $name $sys: ${v:-n/a} GB/s"
+      [[ $sys == ferry ]] || { run_one "$sys" "$name" "$block" "$batch" "$rep"; continue; }
+      for d in $FERRY_DEPTHS; do run_one ferry "$name" "$block" "$batch" "$rep" "$d"; done
     done
   done
 done
+
 
 # --- qperf, for orientation ---------------------------------------------------------
 if [[ $DO_QPERF -eq 1 ]]; then
@@ -307,36 +338,62 @@ import json, statistics, sys
 
 path = sys.argv[1]
 rows = [json.loads(l) for l in open(path) if l.strip()]
+run = next((r for r in rows if r.get("kind") == "run"), {})
+depths = run.get("ferry_depths") or sorted({r.get("depth", 1) for r in rows if r.get("system") == "ferry" and r.get("kind") == "measure"})
 order = ["4KiBx64", "64KiB", "1MiB", "16MiB", "kv"]
 label = {"4KiBx64": "4KiB x64", "64KiB": "64KiB", "1MiB": "1MiB", "16MiB": "16MiB", "kv": "KV 298x1152KiB"}
 
-def med(system, name, key="gbps"):
+def med(system, name, key="gbps", depth=None):
     v = [r[key] for r in rows if r.get("kind") == "measure" and r.get("system") == system
-         and r.get("name") == name and r.get(key) is not None]
+         and r.get("name") == name and r.get(key) is not None
+         and (depth is None or r.get("depth", 1) == depth)]
     return (statistics.median(v), len(v)) if v else (None, 0)
 
 def f(v, fmt="{:.3f}"):
     return fmt.format(v) if v is not None else "n/a"
 
+def ratio(a, b):
+    return a / b if a and b else None
+
 summary = []
 print()
-print("Ferry (tcp) vs iperf3 (1 stream, -l = block) vs UCX put_bw (UCX_TLS=tcp), loopback, GB/s = 10^9 B/s, median")
-hdr = f"{'workload':<16} {'Ferry':>8} {'iperf3':>8} {'F/iperf3':>9} {'UCX':>8} {'F/UCX':>7} {'Ferry p50 us':>13} {'p99 us':>10} {'n':>5}"
+print("Ferry (tcp, ferry-bench --spawn-local --op write, d = calls in flight) vs iperf3 (1 stream,")
+print("-l = block, at most 1 MiB) vs UCX put_bw (UCX_TLS=tcp, -s = block); loopback; GB/s = 10^9 B/s")
+print("of payload; median of each system's runs")
+cols = "".join(f"{'Ferry d'+str(d):>10}" for d in depths)
+rcols = "".join(f"{'/iperf3 d'+str(d):>11}" for d in depths)
+ucols = "".join(f"{'/UCX d'+str(d):>9}" for d in depths)
+hdr = f"{'workload':<15}{cols}{'iperf3':>9}{rcols}{'UCX':>8}{ucols}"
 print(hdr)
 print("-" * len(hdr))
 for name in order:
-    fg, n = med("ferry", name)
     ig, _ = med("iperf3", name)
     ug, _ = med("ucx", name)
-    p50, _ = med("ferry", name, "p50_us")
-    p99, _ = med("ferry", name, "p99_us")
-    ri = fg / ig if fg and ig else None
-    ru = fg / ug if fg and ug else None
-    s = {"kind": "summary", "name": name, "ferry_gbps": fg, "iperf3_gbps": ig, "ucx_gbps": ug,
-         "ratio_iperf3": ri, "ratio_ucx": ru, "ferry_p50_us": p50, "ferry_p99_us": p99, "reps": n}
+    line = f"{label[name]:<15}"
+    s = {"kind": "summary", "name": name, "iperf3_gbps": ig, "ucx_gbps": ug, "ferry": {}}
+    for d in depths:
+        fg, n = med("ferry", name, depth=d)
+        p50, _ = med("ferry", name, "p50_us", d)
+        p99, _ = med("ferry", name, "p99_us", d)
+        s["ferry"][str(d)] = {"gbps": fg, "p50_us": p50, "p99_us": p99, "runs": n,
+                              "ratio_iperf3": ratio(fg, ig), "ratio_ucx": ratio(fg, ug)}
+        line += f"{f(fg):>10}"
+    line += f"{f(ig):>9}"
+    for d in depths:
+        line += f"{f(s['ferry'][str(d)]['ratio_iperf3'], '{:.2f}'):>11}"
+    line += f"{f(ug):>8}"
+    for d in depths:
+        line += f"{f(s['ferry'][str(d)]['ratio_ucx'], '{:.2f}'):>9}"
     summary.append(s)
-    print(f"{label[name]:<16} {f(fg):>8} {f(ig):>8} {f(ri, '{:.2f}'):>9} {f(ug):>8} {f(ru, '{:.2f}'):>7} "
-          f"{f(p50, '{:.1f}'):>13} {f(p99, '{:.1f}'):>10} {n:>5}")
+    print(line)
+print()
+print("Ferry latency per call (median of runs' p50 / p99, us):")
+for name in order:
+    parts = []
+    for d in depths:
+        x = summary[order.index(name)]["ferry"][str(d)]
+        parts.append(f"d{d} {f(x['p50_us'], '{:.0f}')} / {f(x['p99_us'], '{:.0f}')}")
+    print(f"  {label[name]:<15} " + "   ".join(parts))
 
 q = [r for r in rows if r.get("system") == "qperf"]
 if q:
@@ -346,20 +403,25 @@ if q:
 
 floors = []
 def floor(name, ok, detail):
-    floors.append({"kind": "floor", "floor": name, "result": "PASS" if ok else ("FAIL" if ok is not None else "N/A"), "detail": detail})
+    floors.append({"kind": "floor", "floor": name,
+                   "result": "PASS" if ok else ("FAIL" if ok is not None else "N/A"), "detail": detail})
 
-one = next(s for s in summary if s["name"] == "1MiB")
-if one["ferry_gbps"] and one["iperf3_gbps"]:
-    floor("Ferry 1MiB >= 0.85 x iperf3 -l 1M", one["ratio_iperf3"] >= 0.85,
-          f"{one['ferry_gbps']:.3f} vs {one['iperf3_gbps']:.3f} GB/s = {one['ratio_iperf3']:.2f}x")
-else:
-    floor("Ferry 1MiB >= 0.85 x iperf3 -l 1M", None, "missing measurement")
-for s in summary:
-    nm = f"Ferry >= 2 x UCX put_bw at {label[s['name']]}"
-    if s["ferry_gbps"] and s["ucx_gbps"]:
-        floor(nm, s["ratio_ucx"] >= 2.0, f"{s['ferry_gbps']:.3f} vs {s['ucx_gbps']:.3f} GB/s = {s['ratio_ucx']:.2f}x")
+one = summary[order.index("1MiB")]
+for d in depths:
+    x = one["ferry"][str(d)]
+    nm = f"[d{d}] Ferry 1MiB >= 0.85 x iperf3 -l 1M"
+    if x["gbps"] and one["iperf3_gbps"]:
+        floor(nm, x["ratio_iperf3"] >= 0.85, f"{x['gbps']:.3f} vs {one['iperf3_gbps']:.3f} GB/s = {x['ratio_iperf3']:.2f}x")
     else:
         floor(nm, None, "missing measurement")
+for d in depths:
+    for s in summary:
+        x = s["ferry"][str(d)]
+        nm = f"[d{d}] Ferry >= 2 x UCX put_bw at {label[s['name']]}"
+        if x["gbps"] and s["ucx_gbps"]:
+            floor(nm, x["ratio_ucx"] >= 2.0, f"{x['gbps']:.3f} vs {s['ucx_gbps']:.3f} GB/s = {x['ratio_ucx']:.2f}x")
+        else:
+            floor(nm, None, "missing measurement")
 
 post = next((r for r in rows if r.get("kind") == "post_cost"), None)
 rss = next((r for r in rows if r.get("kind") == "rss"), None)
@@ -376,13 +438,13 @@ if rss:
     print(f"RSS (MiB): idle engine: target {f(mib('target_idle_kib'), '{:.1f}')}, initiator {f(mib('initiator_idle_kib'), '{:.1f}')}"
           f" (initiator process before its engine: {f(mib('initiator_start_kib'), '{:.1f}')})")
     ti, ii = rss["target_after_kib"] - rss["target_before_kib"], rss["initiator_after_kib"] - rss["initiator_before_kib"]
-    print(f"RSS over {rss['transfers']} completed 4KiB writes ({rss['transfers_per_s']:.0f}/s): "
+    print(f"RSS over {rss['transfers']} completed 4KiB writes, depth {rss['depth']} ({rss['transfers_per_s']:.0f}/s): "
           f"target {rss['target_before_kib']/1024:.1f} -> {rss['target_after_kib']/1024:.1f} MiB ({ti:+d} KiB), "
           f"initiator {rss['initiator_before_kib']/1024:.1f} -> {rss['initiator_after_kib']/1024:.1f} MiB ({ii:+d} KiB)")
     idle = max(rss["target_idle_kib"], rss["initiator_idle_kib"])
     floor("idle engine RSS < 50 MiB", idle < 50 * 1024, f"max(target, initiator) = {idle/1024:.1f} MiB")
-    # "Not growing": the registered buffers are touched before the baseline, so
-    # what is left is engine state; allow 2 MiB of allocator noise.
+    # "Not growing": the baseline is taken after 10^4 warm-up writes (pools and
+    # touched buffers in place); allow 2 MiB of allocator noise.
     grow = max(ti, ii)
     floor(f"RSS not growing over {rss['transfers']} transfers (<= 2 MiB)", grow <= 2048, f"max growth {grow:+d} KiB")
 else:
@@ -396,9 +458,9 @@ for fl in floors:
 for r in rows:
     if r.get("kind") == "not_run":
         print(f"  not run: {r['system']} ({r['what']}): {r['reason']}")
-errs = [r for r in rows if r.get("kind") == "error"]
-for e in errs:
-    print(f"  ERROR {e['system']} {e['name']}: {e['error'].strip().splitlines()[-1] if e['error'].strip() else '?'}")
+for e in (r for r in rows if r.get("kind") == "error"):
+    msg = e["error"].strip().splitlines()
+    print(f"  ERROR {e['system']} {e['name']}: {msg[-1] if msg else '?'}")
 el = next((r["seconds"] for r in rows if r.get("kind") == "elapsed"), None)
 if el is not None:
     print(f"  ({el} s; raw results {path})")
