@@ -1,0 +1,85 @@
+// GoogleTest helpers shared by the integration suites.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <regex>
+#include <string>
+#include <thread>
+
+#include "ferry/engine.h"
+#include "test_util.h"
+
+namespace ferry::itest {
+
+inline std::unique_ptr<Engine> MakeEngine(std::map<std::string, std::string> options = {},
+                                          std::string listen = "127.0.0.1:0") {
+  EngineConfig c;
+  c.listen = std::move(listen);
+  c.options = std::move(options);
+  auto e = Engine::create(c);
+  EXPECT_TRUE(e.ok()) << e.status().to_string();
+  return e.ok() ? std::move(e.value()) : nullptr;
+}
+
+inline std::unique_ptr<TestPeer> StartPeer(PeerOptions o) {
+  std::string error;
+  auto p = TestPeer::Start(o, &error);
+  EXPECT_NE(p, nullptr) << error;
+  return p;
+}
+
+// Local memory registered with an engine, deregistered on destruction.
+class LocalBuffer {
+ public:
+  LocalBuffer(Engine& e, size_t size) : engine_(e), buf_(size) {
+    auto r = e.register_memory(buf_.data(), size);
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    if (r.ok()) region_ = r->id;
+  }
+  ~LocalBuffer() {
+    if (region_) (void)engine_.deregister_memory(region_);
+  }
+  uint8_t* data() const { return buf_.data(); }
+  size_t size() const { return buf_.size(); }
+
+ private:
+  Engine& engine_;
+  Buffer buf_;
+  RegionId region_ = 0;
+};
+
+// The message names region `id` ("region 7", "region=7", ...).
+inline ::testing::AssertionResult NamesRegion(const Status& s, RegionId id) {
+  const std::regex re("region\\D{0,3}" + std::to_string(id) + "(\\D|$)");
+  if (std::regex_search(s.message(), re)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "message does not name region " << id << ": "
+                                       << s.to_string();
+}
+
+inline ::testing::AssertionResult NamesNumber(const Status& s, uint64_t n) {
+  const std::regex dec("(^|\\D)" + std::to_string(n) + "(\\D|$)");
+  char hex[32];
+  snprintf(hex, sizeof hex, "0x%llx", static_cast<unsigned long long>(n));
+  if (std::regex_search(s.message(), dec) || s.message().find(hex) != std::string::npos) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "message does not name " << n << ": " << s.to_string();
+}
+
+// Waits for an async transfer by polling test() (the other completion path).
+inline Status PollUntilDone(Engine& e, TransferId id, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    Status s = e.test(id);
+    if (s.code() != StatusCode::kInProgress) return s;
+    if (std::chrono::steady_clock::now() > deadline) return s;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+inline std::string Describe(const Status& s) { return s.to_string(); }
+
+}  // namespace ferry::itest

@@ -1,0 +1,530 @@
+// Two processes over loopback: one-sided WRITE and READ, verified byte for
+// byte against the target's real memory (through ferry_test_peer's checksum
+// command, never through Ferry itself) and against the known pattern.
+#include <sys/sysinfo.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <numeric>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "fixture.h"
+
+namespace ferry::itest {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr uint64_t kGapRemote = 13;  // untouched bytes between remote slots
+constexpr uint64_t kGapLocal = 5;    // and between local iovs
+constexpr uint64_t kMaxCaseBytes = 1100ull << 20;
+
+uint64_t PhysicalMemory() {
+  struct sysinfo si {};
+  sysinfo(&si);
+  return static_cast<uint64_t>(si.totalram) * si.mem_unit;
+}
+
+// Where iov i of a batch lives: remote slots in a shuffled order (so a
+// transport that mixes up iov order is caught), local iovs in order.
+struct Layout {
+  uint64_t size = 0;
+  size_t batch = 0;
+  std::vector<uint64_t> remote, local;
+  uint64_t remote_bytes = 0, local_bytes = 0;
+
+  Layout(uint64_t s, size_t b, uint64_t seed) : size(s), batch(b), remote(b), local(b) {
+    std::vector<size_t> perm(b);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937_64(seed));
+    for (size_t i = 0; i < b; ++i) {
+      remote[i] = kGapRemote + perm[i] * (s + kGapRemote);
+      local[i] = kGapLocal + i * (s + kGapLocal);
+    }
+    remote_bytes = kGapRemote + b * (s + kGapRemote);
+    local_bytes = kGapLocal + b * (s + kGapLocal);
+  }
+};
+
+void MakeIovs(const Layout& l, uint8_t* base, const RemoteDescriptor* d,
+              std::vector<LocalIov>* li, std::vector<RemoteIov>* ri) {
+  li->clear();
+  ri->clear();
+  for (size_t i = 0; i < l.batch; ++i) {
+    li->push_back({base + l.local[i], l.size});
+    ri->push_back({d, l.remote[i], l.size});
+  }
+}
+
+// Every byte of the target's [0, remote_bytes): data slots must hash like the
+// local iov that was written there, gaps like the target's original pattern.
+void ExpectTargetHolds(TestPeer& peer, const Layout& l, const uint8_t* local, uint64_t target_seed,
+                       const std::string& what) {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  std::vector<uint64_t> expect;
+  std::vector<std::string> names;
+  std::vector<size_t> order(l.batch);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return l.remote[a] < l.remote[b]; });
+  uint64_t pos = 0;
+  for (size_t i : order) {
+    if (l.remote[i] > pos) {
+      ranges.push_back({pos, l.remote[i] - pos});
+      expect.push_back(PatternHash(target_seed, pos, l.remote[i] - pos));
+      names.push_back("gap before iov " + std::to_string(i));
+    }
+    ranges.push_back({l.remote[i], l.size});
+    expect.push_back(HashBytes(local + l.local[i], l.size));
+    names.push_back("iov " + std::to_string(i));
+    pos = l.remote[i] + l.size;
+  }
+  ranges.push_back({pos, l.remote_bytes - pos});
+  expect.push_back(PatternHash(target_seed, pos, l.remote_bytes - pos));
+  names.push_back("tail");
+  auto got = peer.Checksums(ranges);
+  ASSERT_TRUE(got.has_value()) << "target did not answer checksums";
+  int reported = 0;
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    if ((*got)[k] != expect[k] && reported++ < 5) {
+      ADD_FAILURE() << what << ": target memory differs in " << names[k] << " at ["
+                    << ranges[k].first << ", +" << ranges[k].second << ")";
+    }
+  }
+  EXPECT_EQ(reported, 0) << what << ": " << reported << " ranges differ";
+}
+
+// Local iovs must hold what the target had at the matching remote slots
+// (pattern `seed` at the remote positions), local gaps must be untouched.
+void ExpectLocalHolds(const Layout& l, const uint8_t* local, uint64_t seed, bool remote_positions,
+                      uint8_t poison, const std::string& what) {
+  int reported = 0;
+  for (size_t i = 0; i < l.batch && reported < 5; ++i) {
+    size_t bad = 0;
+    const uint64_t pos = remote_positions ? l.remote[i] : l.local[i];
+    if (!MatchesPattern(seed, pos, local + l.local[i], l.size, &bad)) {
+      ADD_FAILURE() << what << ": iov " << i << " (remote offset " << l.remote[i]
+                    << ") differs at byte " << bad;
+      ++reported;
+    }
+  }
+  for (size_t i = 0; i <= l.batch && reported < 5; ++i) {
+    const uint64_t start = i == 0 ? 0 : l.local[i - 1] + l.size;
+    for (uint64_t k = start; k < start + kGapLocal; ++k) {
+      if (local[k] != poison) {
+        ADD_FAILURE() << what << ": byte " << k << " between local iovs was written";
+        ++reported;
+        break;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+
+struct MatrixCase {
+  uint64_t size;
+  size_t batch;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<MatrixCase>& info) {
+  std::string s;
+  switch (info.param.size) {
+    case 1: s = "1B"; break;
+    case 4096: s = "4KiB"; break;
+    case (1 << 20) + 3: s = "1MiBPlus3"; break;
+    case 64 << 20: s = "64MiB"; break;
+    default: s = std::to_string(info.param.size);
+  }
+  return s + "_Batch" + std::to_string(info.param.batch);
+}
+
+class WriteReadMatrix : public ::testing::TestWithParam<MatrixCase> {};
+
+TEST_P(WriteReadMatrix, SyncAndAsyncVerifiedByteForByte) {
+  const auto [size, batch] = GetParam();
+  const Layout l(size, batch, size * 31 + batch);
+  if (l.remote_bytes > kMaxCaseBytes) {
+    GTEST_SKIP() << size << " B x " << batch << " = " << (size * batch >> 20)
+                 << " MiB per call needs that much memory on each side and ~" << (size * batch >> 30)
+                 << " s per pass on 2 cores; cases above " << (kMaxCaseBytes >> 20)
+                 << " MiB are skipped (64 MiB x 1024 = 64 GiB)";
+  }
+  if (PhysicalMemory() < 4 * (l.remote_bytes + l.local_bytes)) {
+    GTEST_SKIP() << "not enough memory for " << (l.remote_bytes >> 20) << " MiB per side";
+  }
+  const uint64_t target_seed = 1000 + batch;
+  auto peer = StartPeer({.size = l.remote_bytes, .seed = target_seed});
+  ASSERT_TRUE(peer);
+  auto engine = MakeEngine();
+  ASSERT_TRUE(engine);
+  auto pid = engine->connect(ByteView(peer->metadata));
+  ASSERT_TRUE(pid.ok()) << pid.status().to_string();
+  ASSERT_EQ(*pid, peer->engine_id);
+  LocalBuffer local(*engine, l.local_bytes);
+  std::vector<LocalIov> li;
+  std::vector<RemoteIov> ri;
+  MakeIovs(l, local.data(), &peer->rw, &li, &ri);
+
+  // A. blocking read of the untouched target.
+  std::memset(local.data(), 0xEE, l.local_bytes);
+  Status s = engine->read(*pid, li, ri, 120s);
+  ASSERT_TRUE(s.ok()) << "read: " << s.to_string();
+  ExpectLocalHolds(l, local.data(), target_seed, true, 0xEE, "blocking read");
+
+  // B. blocking write of random data.
+  FillPattern(7001, 0, local.data(), l.local_bytes);
+  s = engine->write(*pid, li, ri, std::nullopt, 120s);
+  ASSERT_TRUE(s.ok()) << "write: " << s.to_string();
+  ExpectTargetHolds(*peer, l, local.data(), target_seed, "blocking write");
+
+  // C. async read of what B wrote, completed by polling test().
+  std::memset(local.data(), 0xDD, l.local_bytes);
+  auto rid = engine->read_async(*pid, li, ri);
+  ASSERT_TRUE(rid.ok()) << rid.status().to_string();
+  ASSERT_NE(*rid, 0u);
+  s = PollUntilDone(*engine, *rid, 120s);
+  ASSERT_TRUE(s.ok()) << "async read: " << s.to_string();
+  ExpectLocalHolds(l, local.data(), 7001, false, 0xDD, "async read");
+
+  // D. async write of new data, completed by wait().
+  FillPattern(7002, 0, local.data(), l.local_bytes);
+  auto wid = engine->write_async(*pid, li, ri);
+  ASSERT_TRUE(wid.ok()) << wid.status().to_string();
+  s = engine->wait(*wid, 120s);
+  ASSERT_TRUE(s.ok()) << "async write: " << s.to_string();
+  ExpectTargetHolds(*peer, l, local.data(), target_seed, "async write");
+
+  // The ids are released once their final status was reported.
+  EXPECT_EQ(engine->test(*rid).code(), StatusCode::kNotFound);
+  EXPECT_EQ(engine->wait(*wid, 1ms).code(), StatusCode::kNotFound);
+  EXPECT_NE(*rid, *wid);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Loopback, WriteReadMatrix,
+    ::testing::Values(MatrixCase{1, 1}, MatrixCase{1, 7}, MatrixCase{1, 1024},
+                      MatrixCase{4096, 1}, MatrixCase{4096, 7}, MatrixCase{4096, 1024},
+                      MatrixCase{(1 << 20) + 3, 1}, MatrixCase{(1 << 20) + 3, 7},
+                      MatrixCase{(1 << 20) + 3, 1024}, MatrixCase{64 << 20, 1},
+                      MatrixCase{64 << 20, 7}, MatrixCase{64 << 20, 1024}),
+    CaseName);
+
+// ---------------------------------------------------------------------------
+
+class TransferTest : public ::testing::Test {
+ protected:
+  void Connect(uint64_t peer_size, std::map<std::string, std::string> options = {}) {
+    peer_ = StartPeer({.size = peer_size, .seed = kSeed});
+    ASSERT_TRUE(peer_);
+    engine_ = MakeEngine(std::move(options));
+    ASSERT_TRUE(engine_);
+    auto p = engine_->connect(ByteView(peer_->metadata));
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    pid_ = *p;
+  }
+  // A small write + read round trip that must work (the engine is healthy).
+  void ExpectHealthy(LocalBuffer& buf, uint64_t seed) {
+    FillPattern(seed, 0, buf.data(), 4096);
+    LocalIov l{buf.data(), 4096};
+    RemoteIov r{&peer_->rw, 0, 4096};
+    Status s = engine_->write(pid_, {&l, 1}, {&r, 1}, std::nullopt, 30s);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(peer_->Checksum(0, 4096), PatternHash(seed, 0, 4096));
+    std::memset(buf.data(), 0, 4096);
+    s = engine_->read(pid_, {&l, 1}, {&r, 1}, 30s);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_TRUE(MatchesPattern(seed, 0, buf.data(), 4096));
+  }
+  static constexpr uint64_t kSeed = 42;
+  std::unique_ptr<TestPeer> peer_;
+  std::unique_ptr<Engine> engine_;
+  PeerId pid_ = 0;
+};
+
+TEST_F(TransferTest, ConnectCachesPeerAndHostPortWorks) {
+  ASSERT_NO_FATAL_FAILURE(Connect(1 << 20));
+  auto again = engine_->connect(ByteView(peer_->metadata));
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_EQ(*again, pid_);
+  auto hp = engine_->connect(std::string_view(peer_->listen));
+  ASSERT_TRUE(hp.ok()) << hp.status().to_string();
+  EXPECT_EQ(*hp, peer_->engine_id);
+  auto peers = engine_->peers();
+  EXPECT_NE(std::find(peers.begin(), peers.end(), pid_), peers.end());
+  LocalBuffer buf(*engine_, 1 << 16);
+  ExpectHealthy(buf, 5);
+}
+
+TEST_F(TransferTest, ManyAsyncTransfersInFlight) {
+  ASSERT_NO_FATAL_FAILURE(Connect(16 << 20));
+  constexpr size_t kN = 128;
+  constexpr uint64_t kLen = 96 << 10;
+  LocalBuffer buf(*engine_, kN * kLen);
+  FillPattern(77, 0, buf.data(), kN * kLen);
+  std::vector<LocalIov> l(kN);
+  std::vector<RemoteIov> r(kN);
+  std::vector<TransferId> ids;
+  for (size_t i = 0; i < kN; ++i) {
+    l[i] = {buf.data() + i * kLen, kLen};
+    r[i] = {&peer_->rw, i * kLen, kLen};
+    auto id = engine_->write_async(pid_, {&l[i], 1}, {&r[i], 1});
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    ids.push_back(*id);
+  }
+  std::set<TransferId> unique(ids.begin(), ids.end());
+  EXPECT_EQ(unique.size(), ids.size()) << "transfer ids repeat";
+  for (size_t i = 0; i < kN; ++i) {
+    Status s = i % 2 ? engine_->wait(ids[i], 60s) : PollUntilDone(*engine_, ids[i], 60s);
+    EXPECT_TRUE(s.ok()) << "transfer " << i << ": " << s.to_string();
+  }
+  EXPECT_EQ(peer_->Checksum(0, kN * kLen), HashBytes(buf.data(), kN * kLen));
+  // Reads of all of it back, in flight together, into fresh memory.
+  std::memset(buf.data(), 0, kN * kLen);
+  ids.clear();
+  for (size_t i = 0; i < kN; ++i) {
+    auto id = engine_->read_async(pid_, {&l[i], 1}, {&r[i], 1});
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    ids.push_back(*id);
+  }
+  for (auto id : ids) EXPECT_TRUE(engine_->wait(id, 60s).ok());
+  EXPECT_TRUE(MatchesPattern(77, 0, buf.data(), kN * kLen));
+}
+
+TEST_F(TransferTest, UnknownAndFinishedIdsAreNotFound) {
+  ASSERT_NO_FATAL_FAILURE(Connect(1 << 20));
+  for (TransferId id : {TransferId{0}, TransferId{999999}, ~TransferId{0}}) {
+    Status t = engine_->test(id);
+    EXPECT_EQ(t.code(), StatusCode::kNotFound) << t.to_string();
+    EXPECT_TRUE(NamesNumber(t, id));
+    EXPECT_EQ(engine_->wait(id, 1ms).code(), StatusCode::kNotFound);
+    EXPECT_EQ(engine_->cancel(id).code(), StatusCode::kNotFound);
+  }
+  LocalBuffer buf(*engine_, 4096);
+  LocalIov l{buf.data(), 4096};
+  RemoteIov r{&peer_->rw, 0, 4096};
+  auto id = engine_->write_async(pid_, {&l, 1}, {&r, 1});
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(engine_->wait(*id, 30s).ok());
+  Status again = engine_->test(*id);
+  EXPECT_EQ(again.code(), StatusCode::kNotFound) << again.to_string();
+  EXPECT_TRUE(NamesNumber(again, *id));
+}
+
+TEST_F(TransferTest, WaitTimeoutLeavesTheTransferRunning) {
+  ASSERT_NO_FATAL_FAILURE(Connect(64 << 20));
+  LocalBuffer buf(*engine_, 64 << 20);
+  FillPattern(91, 0, buf.data(), 64 << 20);
+  std::vector<LocalIov> l(8, LocalIov{buf.data(), 64 << 20});
+  std::vector<RemoteIov> r(8, RemoteIov{&peer_->rw, 0, 64 << 20});
+  auto id = engine_->write_async(pid_, l, r);
+  ASSERT_TRUE(id.ok()) << id.status().to_string();
+  Status early = engine_->wait(*id, 0ms);
+  EXPECT_EQ(early.code(), StatusCode::kTimeout)
+      << "512 MiB cannot be done at once; got " << early.to_string();
+  EXPECT_EQ(engine_->test(*id).code(), StatusCode::kInProgress);
+  Status s = engine_->wait(*id, 120s);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(peer_->Checksum(0, 64 << 20), HashBytes(buf.data(), 64 << 20));
+}
+
+TEST_F(TransferTest, CancelLargeWrite) {
+  ASSERT_NO_FATAL_FAILURE(Connect(64 << 20));
+  LocalBuffer buf(*engine_, 64 << 20);
+  FillPattern(92, 0, buf.data(), 64 << 20);
+  // 1 GiB: the same 64 MiB written 16 times.
+  std::vector<LocalIov> l(16, LocalIov{buf.data(), 64 << 20});
+  std::vector<RemoteIov> r(16, RemoteIov{&peer_->rw, 0, 64 << 20});
+  auto id = engine_->write_async(pid_, l, r);
+  ASSERT_TRUE(id.ok()) << id.status().to_string();
+  Status c = engine_->cancel(*id);
+  EXPECT_TRUE(c.ok()) << c.to_string();
+  Status s = engine_->wait(*id, 30s);
+  EXPECT_EQ(s.code(), StatusCode::kCancelled) << s.to_string();
+  EXPECT_EQ(engine_->test(*id).code(), StatusCode::kNotFound);
+  // After cancel() returned the engine no longer reads the source buffer; the
+  // application may reuse it at once.
+  std::memset(buf.data(), 0x5C, 1 << 20);
+  LocalBuffer small(*engine_, 1 << 16);
+  ExpectHealthy(small, 93);
+}
+
+TEST_F(TransferTest, CancelLargeReadStopsWritingLocalMemory) {
+  ASSERT_NO_FATAL_FAILURE(Connect(64 << 20));
+  constexpr uint64_t kLen = 64 << 20;
+  constexpr int kIovs = 4;
+  LocalBuffer buf(*engine_, kIovs * kLen);
+  std::memset(buf.data(), 0, kIovs * kLen);
+  std::vector<LocalIov> l;
+  std::vector<RemoteIov> r;
+  for (int i = 0; i < kIovs; ++i) {
+    l.push_back({buf.data() + i * kLen, kLen});
+    r.push_back({&peer_->rw, 0, kLen});
+  }
+  auto id = engine_->read_async(pid_, l, r);
+  ASSERT_TRUE(id.ok()) << id.status().to_string();
+  ASSERT_TRUE(engine_->cancel(*id).ok());
+  const uint64_t after_cancel = HashBytes(buf.data(), kIovs * kLen);
+  Status s = engine_->wait(*id, 30s);
+  EXPECT_EQ(s.code(), StatusCode::kCancelled) << s.to_string();
+  // Responses to the cancelled read may still be on the wire. Push more
+  // traffic through every stream so they are surely received (and discarded).
+  LocalBuffer small(*engine_, 1 << 16);
+  for (int i = 0; i < 8; ++i) ASSERT_NO_FATAL_FAILURE(ExpectHealthy(small, 100 + i));
+  EXPECT_EQ(HashBytes(buf.data(), kIovs * kLen), after_cancel)
+      << "bytes of a cancelled read landed in local memory after cancel() returned";
+}
+
+TEST_F(TransferTest, ConcurrentThreadsToTwoPeers) {
+  constexpr int kThreads = 8;
+  constexpr uint64_t kRange = 2 << 20;
+  constexpr int kIters = 12;
+  auto a = StartPeer({.size = kThreads * kRange, .seed = 11});
+  auto b = StartPeer({.size = kThreads * kRange, .seed = 12});
+  ASSERT_TRUE(a && b);
+  auto engine = MakeEngine();
+  ASSERT_TRUE(engine);
+  TestPeer* peers[2] = {a.get(), b.get()};
+  PeerId ids[2];
+  for (int p = 0; p < 2; ++p) {
+    auto id = engine->connect(ByteView(peers[p]->metadata));
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    ids[p] = *id;
+  }
+  // Each thread: a source and a sink area of its own.
+  LocalBuffer buf(*engine, kThreads * 2 * kRange);
+  std::atomic<int> failures{0};
+  uint64_t last_seed[2][kThreads] = {};
+  std::barrier start(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      uint8_t* src = buf.data() + 2 * t * kRange;
+      uint8_t* dst = src + kRange;
+      std::mt19937_64 rng(t);
+      start.arrive_and_wait();
+      for (int k = 0; k < kIters; ++k) {
+        const int p = (t + k) % 2;
+        const uint64_t seed = 50000 + t * 100 + k;
+        FillPattern(seed, t * kRange, src, kRange);
+        // Split the range into a random number of iovs.
+        const size_t n = 1 + rng() % 16;
+        std::vector<LocalIov> li, lo;
+        std::vector<RemoteIov> ri;
+        uint64_t off = 0;
+        for (size_t i = 0; i < n; ++i) {
+          const uint64_t len = i + 1 == n ? kRange - off : (kRange / n);
+          li.push_back({src + off, len});
+          lo.push_back({dst + off, len});
+          ri.push_back({&peers[p]->rw, t * kRange + off, len});
+          off += len;
+        }
+        Status s;
+        if (k % 2) {
+          s = engine->write(ids[p], li, ri, std::nullopt, 60s);
+        } else {
+          auto id = engine->write_async(ids[p], li, ri);
+          s = id.ok() ? engine->wait(*id, 60s) : id.status();
+        }
+        if (!s.ok()) {
+          ADD_FAILURE() << "thread " << t << " write " << k << ": " << s.to_string();
+          failures++;
+          return;
+        }
+        last_seed[p][t] = seed;
+        std::memset(dst, 0, kRange);
+        s = engine->read(ids[p], lo, ri, 60s);
+        if (!s.ok() || !MatchesPattern(seed, t * kRange, dst, kRange)) {
+          ADD_FAILURE() << "thread " << t << " read-back " << k << ": " << s.to_string();
+          failures++;
+          return;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  ASSERT_EQ(failures.load(), 0);
+  for (int p = 0; p < 2; ++p) {
+    for (int t = 0; t < kThreads; ++t) {
+      const uint64_t want = last_seed[p][t] ? PatternHash(last_seed[p][t], t * kRange, kRange)
+                                            : PatternHash(11 + p, t * kRange, kRange);
+      EXPECT_EQ(peers[p]->Checksum(t * kRange, kRange), want)
+          << "peer " << p << " range of thread " << t;
+    }
+  }
+}
+
+TEST_F(TransferTest, TheTargetCanInitiateToo) {
+  // The test engine is the target here; the peer process connects to it.
+  ASSERT_NO_FATAL_FAILURE(Connect(1 << 20));
+  Buffer mine(1 << 20);
+  FillPattern(303, 0, mine.data(), 1 << 20);
+  auto region = engine_->register_memory(mine.data(), 1 << 20);
+  ASSERT_TRUE(region.ok());
+  auto d = engine_->advertise(region->id);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  const std::string reply = peer_->Command("connect " + ToHex(engine_->metadata()));
+  ASSERT_EQ(reply, "OK " + Hex64(engine_->id()));
+  const std::string desc = ToHex(d->to_bytes());
+  const std::string me = Hex64(engine_->id());
+  // The peer writes pattern 404 into [4096, +65536) of our memory...
+  ASSERT_EQ(peer_->Command("write " + me + " " + desc + " 4096 65536 404"), "OK");
+  EXPECT_TRUE(MatchesPattern(404, 4096, mine.data() + 4096, 65536));
+  EXPECT_TRUE(MatchesPattern(303, 0, mine.data(), 4096));
+  EXPECT_TRUE(MatchesPattern(303, 4096 + 65536, mine.data() + 4096 + 65536, 1000));
+  // ...and reads our pattern back.
+  EXPECT_EQ(peer_->Command("read " + me + " " + desc + " 100000 5000"),
+            "OK " + Hex64(PatternHash(303, 100000, 5000)));
+  (void)engine_->deregister_memory(region->id);
+}
+
+TEST_F(TransferTest, BatchLimitsAndArgumentErrors) {
+  ASSERT_NO_FATAL_FAILURE(Connect(1 << 20));
+  LocalBuffer buf(*engine_, 1 << 20);
+  FillPattern(808, 0, buf.data(), 1 << 20);
+  // 1,000,000 one-byte iovs in one call: the largest batch allowed.
+  constexpr size_t kMaxBatch = 1'000'000;
+  std::vector<LocalIov> l(kMaxBatch);
+  std::vector<RemoteIov> r(kMaxBatch);
+  for (size_t i = 0; i < kMaxBatch; ++i) {
+    l[i] = {buf.data() + i, 1};
+    r[i] = {&peer_->rw, i, 1};
+  }
+  Status s = engine_->write(pid_, l, r, std::nullopt, 120s);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(peer_->Checksum(0, kMaxBatch), HashBytes(buf.data(), kMaxBatch));
+  const uint64_t before = *peer_->Checksum(0, 1 << 20);
+
+  l.push_back({buf.data(), 1});
+  r.push_back({&peer_->rw, 0, 1});
+  s = engine_->write(pid_, l, r);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "1,000,001 iovs: " << s.to_string();
+  s = engine_->write(pid_, {}, {});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "empty batch: " << s.to_string();
+  LocalIov one{buf.data(), 8};
+  RemoteIov other{&peer_->rw, 0, 16};
+  s = engine_->write(pid_, {&one, 1}, {&other, 1});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "length mismatch: " << s.to_string();
+  s = engine_->write(pid_, {&one, 1}, std::span<const RemoteIov>(&other, 0));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "count mismatch: " << s.to_string();
+  RemoteIov none{nullptr, 0, 8};
+  s = engine_->write(pid_, {&one, 1}, {&none, 1});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "no descriptor: " << s.to_string();
+  // Local memory that is not registered.
+  std::vector<uint8_t> unregistered(64);
+  LocalIov stray{unregistered.data(), 8};
+  RemoteIov ok8{&peer_->rw, 0, 8};
+  s = engine_->write(pid_, {&stray, 1}, {&ok8, 1});
+  EXPECT_FALSE(s.ok()) << "write from unregistered local memory accepted";
+  s = engine_->read(pid_, {&stray, 1}, {&ok8, 1});
+  EXPECT_FALSE(s.ok()) << "read into unregistered local memory accepted";
+  // Unknown peer.
+  s = engine_->write(pid_ ^ 1, {&one, 1}, {&ok8, 1});
+  EXPECT_FALSE(s.ok()) << "write to an unknown peer accepted";
+  EXPECT_EQ(peer_->Checksum(0, 1 << 20), before) << "a refused call changed the target";
+}
+
+}  // namespace
+}  // namespace ferry::itest
