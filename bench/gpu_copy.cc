@@ -30,6 +30,7 @@ namespace {
   do {                                                                                            \
     cudaError_t e_ = (expr);                                                                      \
     if (e_ != cudaSuccess) {                                                                      \
+      std::fflush(stdout);                                                                        \
       std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
       std::exit(1);                                                                               \
     }                                                                                             \
@@ -126,6 +127,7 @@ int main(int argc, char** argv) {
                  argv[0]);
     return 2;
   }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines stay whole next to stderr
   std::string reason;
   if (!ferry::cuda_available(&reason)) {
     std::printf("skipped: %s\n", reason.c_str());
@@ -167,28 +169,37 @@ int main(int argc, char** argv) {
 
   // Ferry variants, each on its own CopyStream.
   std::vector<Method> ferry_methods;
-  auto add_ferry = [&](std::string name, int budget, uint64_t kmax) {
+  std::vector<std::unique_ptr<ferry::CopyStream>> streams;
+  // `knob`/`value`: one of CopyStream's diagnostic environment knobs
+  // (docs/gpu.md), set only while this variant's stream is created.
+  auto add_ferry = [&](std::string name, int budget, uint64_t kmax, const char* knob = nullptr,
+                       const char* value = nullptr) {
     Method m;
     m.name = std::move(name);
     m.sm_budget = budget;
     m.opts.sm_budget = static_cast<uint32_t>(budget);
     if (kmax != 0) m.opts.kernel_max_block = kmax;
-    ferry_methods.push_back(m);
-  };
-  add_ferry("ferry", ferry::CopyOptions{}.sm_budget, 0);
-  for (int b : {4, 8, 16, 32}) add_ferry("ferry-sm" + std::to_string(b), b, 0);
-  add_ferry("ferry-kernel-only", 16, UINT64_MAX);
-  add_ferry("ferry-engine-only", 0, 0);
-  std::vector<std::unique_ptr<ferry::CopyStream>> streams;
-  for (Method& m : ferry_methods) {
+    if (knob != nullptr) setenv(knob, value, 1);
     auto r = ferry::CopyStream::create(0, m.opts);
+    if (knob != nullptr) unsetenv(knob);
     if (!r.ok()) {
-      std::fprintf(stderr, "CopyStream::create: %s\n", r.status().to_string().c_str());
-      return 1;
+      std::fprintf(stderr, "CopyStream::create(%s): %s\n", m.name.c_str(),
+                   r.status().to_string().c_str());
+      std::exit(1);
     }
     streams.push_back(std::move(r).value());
     m.fs = streams.back().get();
-  }
+    ferry_methods.push_back(m);
+  };
+  add_ferry("ferry", ferry::CopyOptions{}.sm_budget, 0);  // index 0: the defaults
+  for (int b : {4, 8, 16, 32}) add_ferry("ferry-sm" + std::to_string(b), b, 0);  // sm8: index 2
+  add_ferry("ferry-kernel-only", 16, UINT64_MAX);
+  add_ferry("ferry-engine-only", 0, 0);
+  // Host-load variants of the kernel and a kernel/copy-engine mix.
+  add_ferry("ferry-sm8-cs", 8, 0, "FERRY_GATHER_HOST_LOAD", "cs");
+  add_ferry("ferry-sm8-pf256", 8, 0, "FERRY_GATHER_HOST_LOAD", "pf256");
+  add_ferry("ferry-kernel-pf256", 16, UINT64_MAX, "FERRY_GATHER_HOST_LOAD", "pf256");
+  add_ferry("ferry-mix-ce4", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_CE_EVERY", "4");
 
   // Workloads.
   std::vector<Workload> work;
@@ -227,6 +238,7 @@ int main(int argc, char** argv) {
   };
   std::vector<std::string> floor_lines;
   bool floors_ok = true;
+  int verify_failures = 0;
 
   for (Workload& w : work) {
     const uint64_t bytes = w.block * w.count;
@@ -313,14 +325,24 @@ int main(int argc, char** argv) {
       CHECK(cudaMemcpy(got.data(), dbase, bytes, cudaMemcpyDefault));
       const auto* pat = reinterpret_cast<const uint8_t*>(pattern.data());
       const uint8_t* sbase = static_cast<const uint8_t*>(w.contig_src);
-      for (const ferry::CopyBlock& b : w.blocks) {
+      size_t bad = 0, first = 0;
+      for (size_t i = 0; i < w.blocks.size(); ++i) {
+        const ferry::CopyBlock& b = w.blocks[i];
         const size_t doff = static_cast<const uint8_t*>(b.dst) - dbase;
         const size_t soff = static_cast<const uint8_t*>(b.src) - sbase;
         if (std::memcmp(got.data() + doff, pat + soff, b.size) != 0) {
-          std::fprintf(stderr, "VERIFY FAILED: %s %s %s block at dst+%zu\n", w.dir.c_str(),
-                       w.name.c_str(), m.name.c_str(), doff);
-          std::exit(1);
+          if (bad++ == 0) first = i;
         }
+      }
+      if (bad != 0) {
+        const ferry::CopyBlock& b = w.blocks[first];
+        const size_t doff = static_cast<const uint8_t*>(b.dst) - dbase;
+        std::printf(
+            "VERIFY FAILED: %s %s %s: %zu of %zu blocks wrong, first is list index %zu "
+            "(dst+%zu, first byte 0x%02x)\n",
+            w.dir.c_str(), w.name.c_str(), m.name.c_str(), bad, w.blocks.size(), first, doff,
+            got[doff]);
+        ++verify_failures;
       }
     };
     for (Method& m : ferry_methods) {
@@ -330,9 +352,18 @@ int main(int argc, char** argv) {
     // Warm-up, then repetitions with the methods alternating.
     for (int r = 0; r < 3; ++r) run_ref(r);
     for (Method& m : ferry_methods) run_ferry(m);
+    // The order rotates per repetition so no method always runs first.
+    const size_t nm = 3 + ferry_methods.size();
     for (int rep = 0; rep < args.reps; ++rep) {
-      for (int r = 0; r < 3; ++r) refs[r].gbps.push_back(run_ref(r));
-      for (Method& m : ferry_methods) m.gbps.push_back(run_ferry(m));
+      for (size_t k = 0; k < nm; ++k) {
+        const size_t j = (k + rep) % nm;
+        if (j < 3) {
+          refs[j].gbps.push_back(run_ref(static_cast<int>(j)));
+        } else {
+          Method& m = ferry_methods[j - 3];
+          m.gbps.push_back(run_ferry(m));
+        }
+      }
     }
     const double contig = median(refs[0].gbps), loop = median(refs[1].gbps),
                  batch = median(refs[2].gbps);
@@ -385,10 +416,13 @@ int main(int argc, char** argv) {
   std::printf("\n# floors (>= 0.90 x contiguous)\n");
   for (auto& l : floor_lines) std::printf("%s\n", l.c_str());
   std::printf("# all floors %s\n", floors_ok ? "met" : "NOT met");
+  std::printf("# verification: %s\n", verify_failures == 0 ? "every Ferry variant correct"
+                                                           : "FAILURES (see VERIFY FAILED)");
+  std::fflush(stdout);
 
   streams.clear();
   cudaFreeHost(host);
   cudaFree(dev);
   if (dev2 != nullptr) cudaFree(dev2);
-  return 0;
+  return verify_failures == 0 ? 0 : 1;
 }

@@ -15,6 +15,7 @@
 #include <bit>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -37,8 +38,8 @@ using cuda::cuda_status;
 // Kernel work item: larger kernel-path blocks are split so that warps share
 // the work of a few big blocks.
 constexpr uint64_t kChunk = 16 * 1024;
-// Descriptors in the first launched slice of a batch; each next slice doubles
-// up to kMaxSlice, so a batch costs a handful of launches.
+// Descriptors in the first launched slice of a batch; each next slice is 4x
+// larger up to kMaxSlice, so a batch costs a handful of launches.
 constexpr uint32_t kFirstSlice = 1024;
 constexpr uint32_t kMaxSlice = 1u << 15;
 // Each launch's descriptors start on a fresh 384-byte (3 x 128 B) boundary,
@@ -46,6 +47,51 @@ constexpr uint32_t kMaxSlice = 1u << 15;
 constexpr size_t kDescAlign = 16;
 // Submissions in flight before submit() waits for the oldest.
 constexpr size_t kMaxPending = 1024;
+
+// Diagnostic knobs, read when a stream is created (docs/gpu.md):
+//   FERRY_GATHER_HOST_LOAD = cv | cs | pf256   how the kernel reads host memory
+//   FERRY_GATHER_DESC_LOAD = cv | nc           how it reads descriptors
+//   FERRY_GATHER_CE_EVERY  = n                 every n-th kernel block to the copy engine
+struct Knobs {
+  cuda::GatherConfig gather;
+  uint32_t ce_every = 0;
+};
+
+Result<Knobs> read_knobs() {
+  Knobs k;
+  if (const char* v = std::getenv("FERRY_GATHER_HOST_LOAD"); v != nullptr && *v != 0) {
+    const std::string s(v);
+    if (s == "cv") {
+      k.gather.host_load = cuda::HostLoad::kFetchAgain;
+    } else if (s == "cs") {
+      k.gather.host_load = cuda::HostLoad::kStreaming;
+    } else if (s == "pf256") {
+      k.gather.host_load = cuda::HostLoad::kPrefetch256;
+    } else {
+      return err::InvalidArgument("FERRY_GATHER_HOST_LOAD=" + s + ": expected cv, cs or pf256");
+    }
+  }
+  if (const char* v = std::getenv("FERRY_GATHER_DESC_LOAD"); v != nullptr && *v != 0) {
+    const std::string s(v);
+    if (s == "cv") {
+      k.gather.desc_load = cuda::DescLoad::kFetchAgain;
+    } else if (s == "nc") {
+      k.gather.desc_load = cuda::DescLoad::kNonCoherent;
+    } else {
+      return err::InvalidArgument("FERRY_GATHER_DESC_LOAD=" + s + ": expected cv or nc");
+    }
+  }
+  if (const char* v = std::getenv("FERRY_GATHER_CE_EVERY"); v != nullptr && *v != 0) {
+    char* end = nullptr;
+    const unsigned long n = std::strtoul(v, &end, 10);
+    if (end == v || *end != 0 || n > 1000000) {
+      return err::InvalidArgument(std::string("FERRY_GATHER_CE_EVERY=") + v +
+                                  ": expected a count (0 = off)");
+    }
+    k.ce_every = static_cast<uint32_t>(n);
+  }
+  return k;
+}
 
 std::string hex(const void* p) {
   char buf[32];
@@ -118,6 +164,7 @@ struct Staging {
 struct CopyStream::Impl {
   int device = 0;
   CopyOptions opts;
+  Knobs knobs;
   uint32_t sm_count = 0;
   cudaStream_t stream = nullptr;     // the ordered stream; tickets live here
   cudaStream_t ce_stream = nullptr;  // copy-engine half of a mixed batch
@@ -293,7 +340,7 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
 
   Staging staging;
   if (max_descs > 0) {
-    // Room for the alignment padding of every launch (slices double up to
+    // Room for the alignment padding of every launch (slices grow up to
     // kMaxSlice, so there are at most ~16 + max_descs / kMaxSlice of them).
     max_descs += kDescAlign * (16 + max_descs / kMaxSlice + 1);
     Result<Staging> r = acquire_staging(max_descs);
@@ -325,14 +372,15 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
   size_t slice = kFirstSlice;
   uint64_t kernel_blocks = 0;
   uint64_t launches = 0;
+  uint64_t ce_tick = 0;
   uint32_t max_ctas = 0;
 
   auto launch_pending = [&]() -> Status {
     if (nd == launched) return Status::Ok();
     uint32_t ctas = 0;
-    cudaError_t e =
-        cuda::launch_gather(staging.host + launched, staging.dev + launched,
-                            static_cast<uint32_t>(nd - launched), budget, sm_mask, stream, &ctas);
+    cudaError_t e = cuda::launch_gather(staging.host + launched, staging.dev + launched,
+                                        static_cast<uint32_t>(nd - launched), budget, knobs.gather,
+                                        sm_mask, stream, &ctas);
     if (e != cudaSuccess) {
       cudaGetLastError();
       return cuda_status(e, "launching the gather kernel");
@@ -353,7 +401,9 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
                                           std::to_string(b.size) + ")"));
     }
     bool to_kernel = b.size < kmax;
+    if (to_kernel && knobs.ce_every != 0 && ++ce_tick % knobs.ce_every == 0) to_kernel = false;
     uint64_t dst_dev = 0, src_dev = 0;
+    bool src_host = false;
     if (to_kernel) {
       for (int side = 0; side < 2 && to_kernel; ++side) {
         const void* p = side == 0 ? static_cast<const void*>(b.dst) : b.src;
@@ -387,6 +437,7 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
         } else {
           (side == 0 ? dst_dev : src_dev) =
               static_cast<uint64_t>(static_cast<int64_t>(a) + s.delta);
+          if (side == 1) src_host = s.type == CudaMemoryType::kPinnedHost;
         }
       }
     }
@@ -397,12 +448,14 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
       continue;
     }
     ++kernel_blocks;
+    const uint64_t flag = src_host ? cuda::kSrcIsHost : 0;
     for (uint64_t off = 0; off < b.size; off += kChunk) {
-      staging.host[nd++] = CopyDesc{dst_dev + off, src_dev + off, std::min(kChunk, b.size - off)};
+      staging.host[nd++] =
+          CopyDesc{dst_dev + off, src_dev + off, std::min(kChunk, b.size - off) | flag};
     }
     if (nd - launched >= slice) {
       if (Status s = launch_pending(); !s.ok()) return abandon(s);
-      slice = std::min<size_t>(slice * 2, kMaxSlice);
+      slice = std::min<size_t>(slice * 4, kMaxSlice);
     }
   }
   if (Status s = launch_pending(); !s.ok()) return abandon(s);
@@ -451,9 +504,12 @@ Result<std::unique_ptr<CopyStream>> CopyStream::create(int device, CopyOptions o
     return err::InvalidArgument("CUDA device " + std::to_string(device) + " out of range (" +
                                 std::to_string(n) + " device(s) visible)");
   }
+  Result<Knobs> knobs = read_knobs();
+  if (!knobs.ok()) return knobs.status();
   auto impl = std::make_unique<Impl>();
   impl->device = device;
   impl->opts = options;
+  impl->knobs = knobs.value();
   if (Status s = impl->init(); !s.ok()) return s;
   return std::unique_ptr<CopyStream>(new CopyStream(std::move(impl)));
 }

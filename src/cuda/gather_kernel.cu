@@ -17,41 +17,36 @@ struct InlineDescs {
   CopyDesc d[kInlineDescs];
 };
 
-// Streaming (evict-first) accesses: copied bytes are touched once.
-__device__ __forceinline__ uint4 ld(const uint4* p) {
-  return __ldcs(p);
+// Data loads. Device memory: streaming (evict-first), the bytes are read once.
+// Host memory: per HostLoad.
+enum class Load : uint8_t { kStreaming, kFetchAgain, kPrefetch256 };
+
+template <Load L, typename T>
+__device__ __forceinline__ T ld(const T* p) {
+  if constexpr (L == Load::kStreaming) {
+    return __ldcs(p);
+  } else {
+    return __ldcv(p);  // narrow accesses use fetch-again for both host policies
+  }
 }
-__device__ __forceinline__ uint2 ld(const uint2* p) {
-  return __ldcs(p);
+
+template <>
+__device__ __forceinline__ uint4 ld<Load::kPrefetch256, uint4>(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
-__device__ __forceinline__ uint32_t ld(const uint32_t* p) {
-  return __ldcs(p);
-}
-__device__ __forceinline__ uint16_t ld(const uint16_t* p) {
-  return __ldcs(p);
-}
-__device__ __forceinline__ uint8_t ld(const uint8_t* p) {
-  return __ldcs(p);
-}
-__device__ __forceinline__ void st(uint4* p, uint4 v) {
-  __stcs(p, v);
-}
-__device__ __forceinline__ void st(uint2* p, uint2 v) {
-  __stcs(p, v);
-}
-__device__ __forceinline__ void st(uint32_t* p, uint32_t v) {
-  __stcs(p, v);
-}
-__device__ __forceinline__ void st(uint16_t* p, uint16_t v) {
-  __stcs(p, v);
-}
-__device__ __forceinline__ void st(uint8_t* p, uint8_t v) {
+
+template <typename T>
+__device__ __forceinline__ void st(T* p, T v) {
   __stcs(p, v);
 }
 
 // Copies `n` words of type T (both pointers T-aligned) with the whole warp:
 // rounds of U words per lane, all loads of a round issued before its stores.
-template <typename T, int U>
+template <Load L, typename T, int U>
 __device__ __forceinline__ void warp_copy_words(T* __restrict__ d, const T* __restrict__ s,
                                                 uint64_t n, uint32_t lane) {
   constexpr uint32_t kRound = 32u * U;
@@ -63,7 +58,7 @@ __device__ __forceinline__ void warp_copy_words(T* __restrict__ d, const T* __re
   for (; rounds > 0; --rounds, sp += kRound, dp += kRound) {
     T v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = ld(sp + u * 32);
+    for (int u = 0; u < U; ++u) v[u] = ld<L>(sp + u * 32);
 #pragma unroll
     for (int u = 0; u < U; ++u) st(dp + u * 32, v[u]);
   }
@@ -76,7 +71,7 @@ __device__ __forceinline__ void warp_copy_words(T* __restrict__ d, const T* __re
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const uint32_t k = u * 32 + lane;
-      v[u] = ld(s0 + (k < rest ? k : rest - 1));
+      v[u] = ld<L>(s0 + (k < rest ? k : rest - 1));
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -88,7 +83,7 @@ __device__ __forceinline__ void warp_copy_words(T* __restrict__ d, const T* __re
 // Copies one block whose src and dst agree modulo sizeof(T): byte head up
 // to the first T-aligned address, T-words, byte tail. Head and tail bytes are
 // loaded first so their latency overlaps the body's first round.
-template <typename T, int U>
+template <Load L, typename T, int U>
 __device__ void warp_copy_block(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t lane) {
   constexpr uint64_t kW = sizeof(T);
   uint64_t head = (kW - (reinterpret_cast<uintptr_t>(dst) & (kW - 1))) & (kW - 1);
@@ -98,42 +93,71 @@ __device__ void warp_copy_block(uint8_t* dst, const uint8_t* src, uint64_t n, ui
   const bool has_head = lane < head;
   const bool has_tail = lane < tail;
   uint8_t hb = 0, tb = 0;
-  if (has_head) hb = ld(src + lane);
-  if (has_tail) tb = ld(src + head + body + lane);
-  warp_copy_words<T, U>(reinterpret_cast<T*>(dst + head), reinterpret_cast<const T*>(src + head),
-                        body / kW, lane);
+  if (has_head) hb = ld<L>(src + lane);
+  if (has_tail) tb = ld<L>(src + head + body + lane);
+  warp_copy_words<L, T, U>(reinterpret_cast<T*>(dst + head), reinterpret_cast<const T*>(src + head),
+                           body / kW, lane);
   if (has_head) st(dst + lane, hb);
   if (has_tail) st(dst + head + body + lane, tb);
 }
 
-__device__ __forceinline__ void warp_copy(const CopyDesc& c, uint32_t lane) {
-  auto* dst = reinterpret_cast<uint8_t*>(c.dst);
-  auto* src = reinterpret_cast<const uint8_t*>(c.src);
+template <Load L>
+__device__ __forceinline__ void warp_copy_as(uint8_t* dst, const uint8_t* src, uint64_t n,
+                                             uint32_t lane) {
   // The widest access both sides can share at the same offset.
-  const uint32_t mis = static_cast<uint32_t>(c.dst ^ c.src);
+  const uint32_t mis =
+      static_cast<uint32_t>(reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src));
   if ((mis & 15) == 0) {
-    warp_copy_block<uint4, 8>(dst, src, c.size, lane);
+    warp_copy_block<L, uint4, 8>(dst, src, n, lane);
   } else if ((mis & 7) == 0) {
-    warp_copy_block<uint2, 8>(dst, src, c.size, lane);
+    warp_copy_block<L, uint2, 8>(dst, src, n, lane);
   } else if ((mis & 3) == 0) {
-    warp_copy_block<uint32_t, 16>(dst, src, c.size, lane);
+    warp_copy_block<L, uint32_t, 16>(dst, src, n, lane);
   } else if ((mis & 1) == 0) {
-    warp_copy_block<uint16_t, 16>(dst, src, c.size, lane);
+    warp_copy_block<L, uint16_t, 16>(dst, src, n, lane);
   } else {
-    warp_copy_block<uint8_t, 16>(dst, src, c.size, lane);
+    warp_copy_block<L, uint8_t, 16>(dst, src, n, lane);
   }
 }
 
-__device__ __forceinline__ CopyDesc load_desc(const CopyDesc* p) {
-  // Every lane reads the same 24 bytes: one broadcast transaction.
+template <HostLoad H>
+__device__ __forceinline__ void warp_copy(const CopyDesc& c, uint32_t lane) {
+  auto* dst = reinterpret_cast<uint8_t*>(c.dst);
+  auto* src = reinterpret_cast<const uint8_t*>(c.src);
+  const uint64_t n = c.size & ~kSrcIsHost;
+  if ((c.size & kSrcIsHost) == 0) {
+    warp_copy_as<Load::kStreaming>(dst, src, n, lane);
+  } else if constexpr (H == HostLoad::kStreaming) {
+    warp_copy_as<Load::kStreaming>(dst, src, n, lane);
+  } else if constexpr (H == HostLoad::kPrefetch256) {
+    warp_copy_as<Load::kPrefetch256>(dst, src, n, lane);
+  } else {
+    warp_copy_as<Load::kFetchAgain>(dst, src, n, lane);
+  }
+}
+
+// Every lane reads the same 24 bytes: one broadcast transaction.
+__device__ __forceinline__ CopyDesc load_desc(const CopyDesc* p, DescLoad how) {
   CopyDesc c;
-  c.dst = p->dst;
-  c.src = p->src;
-  c.size = p->size;
+  if (how == DescLoad::kNonCoherent) {
+    c.dst = __ldg(&p->dst);
+    c.src = __ldg(&p->src);
+    c.size = __ldg(&p->size);
+  } else {
+    c.dst = __ldcv(&p->dst);
+    c.src = __ldcv(&p->src);
+    c.size = __ldcv(&p->size);
+  }
   return c;
 }
 
-__device__ __forceinline__ void copy_descs(const CopyDesc* descs, uint32_t count,
+// Inline descriptors live in the launch's parameter space: plain loads.
+__device__ __forceinline__ CopyDesc load_inline_desc(const CopyDesc* p) {
+  return *p;
+}
+
+template <HostLoad H, bool kInline>
+__device__ __forceinline__ void copy_descs(const CopyDesc* descs, uint32_t count, DescLoad how,
                                            uint32_t* sm_mask) {
   if (sm_mask != nullptr && threadIdx.x == 0) {
     uint32_t smid;
@@ -144,34 +168,51 @@ __device__ __forceinline__ void copy_descs(const CopyDesc* descs, uint32_t count
   const uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
   uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (i >= count) return;
-  CopyDesc cur = load_desc(descs + i);
+  auto load = [&](uint32_t k) {
+    return kInline ? load_inline_desc(descs + k) : load_desc(descs + k, how);
+  };
+  CopyDesc cur = load(i);
   for (;;) {
     const uint32_t next = i + nwarps;
     CopyDesc nxt{0, 0, 0};
-    if (next < count) nxt = load_desc(descs + next);  // in flight during the copy
-    warp_copy(cur, lane);
+    if (next < count) nxt = load(next);  // in flight during the copy
+    warp_copy<H>(cur, lane);
     if (next >= count) break;
     cur = nxt;
     i = next;
   }
 }
 
+template <HostLoad H>
 __global__ void __launch_bounds__(kGatherThreads, 1)
-    gather_kernel(const CopyDesc* __restrict__ descs, uint32_t count, uint32_t* sm_mask) {
-  copy_descs(descs, count, sm_mask);
+    gather_kernel(const CopyDesc* descs, uint32_t count, DescLoad how, uint32_t* sm_mask) {
+  copy_descs<H, false>(descs, count, how, sm_mask);
 }
 
+template <HostLoad H>
 __global__ void __launch_bounds__(kGatherThreads, 1)
     gather_inline_kernel(const __grid_constant__ InlineDescs descs, uint32_t count,
                          uint32_t* sm_mask) {
-  copy_descs(descs.d, count, sm_mask);
+  copy_descs<H, true>(descs.d, count, DescLoad::kFetchAgain, sm_mask);
+}
+
+template <HostLoad H>
+void launch(const CopyDesc* host_descs, const CopyDesc* dev_descs, uint32_t count, uint32_t grid,
+            uint32_t threads, DescLoad how, uint32_t* sm_mask, cudaStream_t stream) {
+  if (count <= kInlineDescs) {
+    InlineDescs p;
+    for (uint32_t k = 0; k < count; ++k) p.d[k] = host_descs[k];
+    gather_inline_kernel<H><<<grid, threads, 0, stream>>>(p, count, sm_mask);
+  } else {
+    gather_kernel<H><<<grid, threads, 0, stream>>>(dev_descs, count, how, sm_mask);
+  }
 }
 
 }  // namespace
 
 cudaError_t launch_gather(const CopyDesc* host_descs, const CopyDesc* dev_descs, uint32_t count,
-                          uint32_t max_ctas, uint32_t* sm_mask, cudaStream_t stream,
-                          uint32_t* ctas) {
+                          uint32_t max_ctas, GatherConfig config, uint32_t* sm_mask,
+                          cudaStream_t stream, uint32_t* ctas) {
   if (ctas != nullptr) *ctas = 0;
   if (count == 0) return cudaSuccess;
   if (max_ctas == 0) return cudaErrorInvalidValue;
@@ -180,12 +221,19 @@ cudaError_t launch_gather(const CopyDesc* host_descs, const CopyDesc* dev_descs,
   uint32_t grid = (count + kWarps - 1) / kWarps;
   if (grid > max_ctas) grid = max_ctas;
   const uint32_t threads = grid == 1 ? ((count < kWarps ? count : kWarps) * 32) : kGatherThreads;
-  if (count <= kInlineDescs) {
-    InlineDescs p;
-    for (uint32_t k = 0; k < count; ++k) p.d[k] = host_descs[k];
-    gather_inline_kernel<<<grid, threads, 0, stream>>>(p, count, sm_mask);
-  } else {
-    gather_kernel<<<grid, threads, 0, stream>>>(dev_descs, count, sm_mask);
+  switch (config.host_load) {
+    case HostLoad::kStreaming:
+      launch<HostLoad::kStreaming>(host_descs, dev_descs, count, grid, threads, config.desc_load,
+                                   sm_mask, stream);
+      break;
+    case HostLoad::kPrefetch256:
+      launch<HostLoad::kPrefetch256>(host_descs, dev_descs, count, grid, threads, config.desc_load,
+                                     sm_mask, stream);
+      break;
+    default:
+      launch<HostLoad::kFetchAgain>(host_descs, dev_descs, count, grid, threads, config.desc_load,
+                                    sm_mask, stream);
+      break;
   }
   if (ctas != nullptr) *ctas = grid;
   return cudaGetLastError();

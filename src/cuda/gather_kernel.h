@@ -11,11 +11,32 @@
 
 namespace ferry::cuda {
 
-// One block as the kernel sees it (24 bytes, read once per warp).
+// One block as the kernel sees it (24 bytes, read once per warp). The top
+// bit of `size` says the source is host memory (see HostLoad).
 struct CopyDesc {
   uint64_t dst;
   uint64_t src;
   uint64_t size;
+};
+constexpr uint64_t kSrcIsHost = 1ull << 63;
+
+// How the kernel loads from host (system) memory. The GPU's L2 may keep
+// system-memory lines; PTX's ld.cv treats such lines as stale and fetches
+// again, which is what a copy of memory the CPU may have rewritten since the
+// last kernel needs. The others are kept for measurement (bench, tests).
+enum class HostLoad : uint8_t {
+  kFetchAgain = 0,  // ld.global.cv
+  kStreaming,       // ld.global.cs
+  kPrefetch256,     // ld.global.L2::256B (asks L2 for 256-byte fetches)
+};
+// How descriptors (host memory, rewritten between batches) are loaded.
+enum class DescLoad : uint8_t {
+  kFetchAgain = 0,  // ld.global.cv
+  kNonCoherent,     // ld.global.nc: wrong once the buffer is reused (kept to show why)
+};
+struct GatherConfig {
+  HostLoad host_load = HostLoad::kFetchAgain;
+  DescLoad desc_load = DescLoad::kFetchAgain;
 };
 
 // Up to this many descriptors travel in the launch's parameter block, which
@@ -32,7 +53,7 @@ constexpr uint32_t kGatherThreads = 1024;
 // memory) is set each CTA ORs in the id of the SM it runs on. *ctas receives
 // the grid size.
 cudaError_t launch_gather(const CopyDesc* host_descs, const CopyDesc* dev_descs, uint32_t count,
-                          uint32_t max_ctas, uint32_t* sm_mask, cudaStream_t stream,
-                          uint32_t* ctas);
+                          uint32_t max_ctas, GatherConfig config, uint32_t* sm_mask,
+                          cudaStream_t stream, uint32_t* ctas);
 
 }  // namespace ferry::cuda

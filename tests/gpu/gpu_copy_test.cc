@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -239,6 +240,86 @@ TEST_F(GpuTest, CopyStreamRunsAndCompletesInOrder) {
   }
 }
 
+// The CPU rewrites the same pinned buffer between copies (as an offload ring
+// does): every copy must carry the new bytes, in both directions, even though
+// the GPU's L2 may hold lines of that host memory from the previous copy.
+TEST_F(GpuTest, RewrittenHostMemoryIsCopiedFresh) {
+  Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, CopyOptions{});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  CopyStream& cs = *r.value();
+  constexpr size_t kBlocks = 1024, kBlock = 4096, kBytes = kBlocks * kBlock;
+  Buffer host(Mem::kPinned, kBytes), dev(Mem::kDevice, kBytes);
+  std::vector<CopyBlock> h2d, d2h;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    const size_t j = (i * 389) % kBlocks;
+    h2d.push_back({dev.data() + j * kBlock, host.data() + i * kBlock, kBlock});
+    d2h.push_back({host.data() + i * kBlock, dev.data() + j * kBlock, kBlock});
+  }
+  std::vector<uint8_t> got(kBytes);
+  for (int round = 0; round < 6; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    // H2D: new host bytes each round.
+    for (size_t i = 0; i < kBytes; ++i) host.data()[i] = static_cast<uint8_t>(round * 37 + i / 61);
+    Result<uint64_t> t = cs.submit(h2d);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_TRUE(cs.wait(t.value(), kWait).ok());
+    dev.download(got.data());
+    for (size_t i = 0; i < kBlocks; ++i) {
+      const size_t j = (i * 389) % kBlocks;
+      for (size_t k = 0; k < kBlock; k += 511) {
+        ASSERT_EQ(got[j * kBlock + k], static_cast<uint8_t>(round * 37 + (i * kBlock + k) / 61))
+            << "H2D block " << i << " byte " << k << ": stale host data";
+      }
+    }
+    // D2H: the device side changes, the host is poisoned first.
+    FERRY_CUDA_OK(cudaMemset(dev.data(), 0x30 + round, kBytes));
+    FERRY_CUDA_OK(cudaDeviceSynchronize());
+    std::memset(host.data(), 0xEE, kBytes);
+    t = cs.submit(d2h);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_TRUE(cs.wait(t.value(), kWait).ok());
+    for (size_t i = 0; i < kBytes; i += 509) {
+      ASSERT_EQ(host.data()[i], 0x30 + round) << "D2H byte " << i;
+    }
+  }
+}
+
+// Successive batches reuse the stream's descriptor staging with different
+// descriptors; the kernel must read the new ones (the bench once saw a D2H
+// batch execute the previous batch's descriptors).
+TEST_F(GpuTest, ReusedDescriptorBuffersAreReadFresh) {
+  Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, CopyOptions{});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  CopyStream& cs = *r.value();
+  constexpr size_t kBlocks = 4096, kBlock = 4096, kBytes = kBlocks * kBlock;
+  Buffer src(Mem::kDevice, kBytes), dst(Mem::kDevice, kBytes);
+  std::vector<uint8_t> data(kBytes), got(kBytes);
+  std::mt19937_64 rng(99);
+  for (auto& x : data) x = static_cast<uint8_t>(rng());
+  src.upload(data.data());
+  std::vector<size_t> perm(kBlocks);
+  for (size_t i = 0; i < kBlocks; ++i) perm[i] = i;
+  for (int round = 0; round < 6; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<CopyBlock> blocks;
+    for (size_t i = 0; i < kBlocks; ++i) {
+      blocks.push_back({dst.data() + perm[i] * kBlock, src.data() + i * kBlock, kBlock});
+    }
+    FERRY_CUDA_OK(cudaMemset(dst.data(), 0xEE, kBytes));
+    FERRY_CUDA_OK(cudaDeviceSynchronize());
+    Result<uint64_t> t = cs.submit(blocks);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_TRUE(cs.wait(t.value(), kWait).ok());
+    dst.download(got.data());
+    size_t wrong = 0;
+    for (size_t i = 0; i < kBlocks; ++i) {
+      wrong += std::memcmp(got.data() + perm[i] * kBlock, data.data() + i * kBlock, kBlock) != 0;
+    }
+    ASSERT_EQ(wrong, 0u) << "blocks copied per stale descriptors";
+  }
+}
+
 // A host callback holds the stream, so the ticket is observably in flight.
 TEST_F(GpuTest, PollAndWaitWhileInFlight) {
   Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, CopyOptions{});
@@ -402,6 +483,14 @@ TEST_F(GpuTest, InvalidInputIsRejectedClearly) {
   t = cs.submit({&empty, 1});
   ASSERT_TRUE(t.ok()) << t.status().to_string();
   EXPECT_TRUE(cs.wait(t.value(), kWait).ok());
+
+  // A malformed diagnostic knob is an error, not silently ignored.
+  setenv("FERRY_GATHER_HOST_LOAD", "fastest", 1);
+  Result<std::unique_ptr<CopyStream>> knob = CopyStream::create(0, {});
+  unsetenv("FERRY_GATHER_HOST_LOAD");
+  ASSERT_FALSE(knob.ok());
+  EXPECT_EQ(knob.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(knob.status().message().find("FERRY_GATHER_HOST_LOAD"), std::string::npos);
 
   // Bad device ordinal.
   Result<std::unique_ptr<CopyStream>> bad = CopyStream::create(cuda_device_count(), {});
