@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Plot GB/s against block size per system from bench/tcp_vs_peers.sh results.
+
+    python3 bench/plot_tcp.py                      # newest bench/results/tcp_vs_peers-*.jsonl
+    python3 bench/plot_tcp.py RESULTS.jsonl -o docs/tcp_vs_peers.png
+
+Each point is the median over the run's repetitions; thin error bars span the
+fastest and slowest repetition. The KV-cache workload (298 x 1,179,648 B per
+call) is drawn at its block size with its own marker; 4 KiB runs with 64 iovs
+per call. Needs matplotlib (pip install matplotlib).
+"""
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def newest_results():
+    files = sorted(glob.glob(os.path.join(ROOT, "bench", "results", "tcp_vs_peers-*.jsonl")))
+    if not files:
+        sys.exit("plot_tcp.py: no bench/results/tcp_vs_peers-*.jsonl; run bench/tcp_vs_peers.sh first")
+    return files[-1]
+
+
+def size_label(b):
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if b >= (1 << shift):
+            v = b / (1 << shift)
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.3g}{unit}"
+    return f"{b}B"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?", help="JSON lines from tcp_vs_peers.sh (default: newest)")
+    ap.add_argument("-o", "--output", default=os.path.join(ROOT, "docs", "tcp_vs_peers.png"))
+    args = ap.parse_args()
+    path = args.results or newest_results()
+
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("plot_tcp.py: matplotlib is missing (pip install matplotlib)")
+
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    run = next((r for r in rows if r.get("kind") == "run"), {})
+    meas = [r for r in rows if r.get("kind") == "measure" and r.get("gbps") is not None
+            and r.get("system") in ("ferry", "iperf3", "ucx")]
+    if not meas:
+        sys.exit(f"plot_tcp.py: no measurements in {path}")
+
+    # series key -> {(name, block): [gbps...]}
+    series = {}
+    for r in meas:
+        if r["system"] == "ferry":
+            key = f"Ferry, {r.get('depth', 1)} call(s) in flight"
+        elif r["system"] == "iperf3":
+            key = "iperf3, 1 stream (-l = block, max 1 MiB)"
+        else:
+            key = "UCX 1.13 ucp_put_bw, UCX_TLS=tcp"
+        series.setdefault(key, {}).setdefault((r["name"], r["block_size"]), []).append(r["gbps"])
+
+    style = {
+        "Ferry": dict(color="#d62728", lw=2.2),
+        "iperf3": dict(color="#1f77b4", lw=1.6, ls="--"),
+        "UCX": dict(color="#2ca02c", lw=1.6, ls=":"),
+    }
+    fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=120)
+    ferry_shades = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2"]
+    fi = 0
+    for key in sorted(series, key=lambda k: (not k.startswith("Ferry"), k)):
+        pts = series[key]
+        st = dict(next(v for k, v in style.items() if key.startswith(k)))
+        if key.startswith("Ferry"):
+            st["color"] = ferry_shades[fi % len(ferry_shades)]
+            fi += 1
+        sweep = sorted((b, v) for (n, b), v in pts.items() if n != "kv")
+        xs = [b for b, _ in sweep]
+        med = [statistics.median(v) for _, v in sweep]
+        lo = [m - min(v) for m, (_, v) in zip(med, sweep)]
+        hi = [max(v) - m for m, (_, v) in zip(med, sweep)]
+        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=key, **st)
+        kv = [(b, v) for (n, b), v in pts.items() if n == "kv"]
+        for b, v in kv:
+            ax.plot([b], [statistics.median(v)], marker="*", markersize=13, color=st["color"], ls="none")
+    ax.plot([], [], marker="*", markersize=11, color="gray", ls="none",
+            label="KV workload: 298 x 1,179,648 B per call")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted({b for s in series.values() for (_, b) in s})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([size_label(b) for b in ticks])
+    ax.set_xlabel("block size (4 KiB: 64 blocks per call; others: 1 block per call)")
+    ax.set_ylabel("GB/s (10^9 B/s of payload)")
+    when = run.get("date", "")
+    cpu = run.get("cpu", "")
+    ax.set_title(f"Loopback TCP, one-sided WRITE: Ferry vs iperf3 vs UCX\n"
+                 f"{cpu}, {run.get('nproc', '?')} cores, {when}, median of {run.get('reps', '?')}",
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    fig.savefig(args.output)
+    print(f"plot_tcp.py: wrote {args.output} from {path}")
+
+
+if __name__ == "__main__":
+    main()
