@@ -404,24 +404,21 @@ struct EngineBox {
   // finished. GIL-protected.
   void adopt(ferry::TransferId tid, Holder&& h) { orphans.emplace_back(tid, std::move(h)); }
 
-  // Drops orphans that have finished (GIL held; one non-blocking test each).
+  // Drops orphans that have finished (GIL held on entry; one non-blocking test
+  // each with the GIL released, while other threads may adopt more).
   void reap(ferry::Engine& eng) {
     if (orphans.empty()) return;
-    std::vector<ferry::TransferId> ids;
-    for (auto& o : orphans) ids.push_back(o.first);
-    std::vector<bool> done(ids.size());
+    std::vector<std::pair<ferry::TransferId, Holder>> mine;
+    mine.swap(orphans);
+    std::vector<char> done(mine.size(), 0);
     without_gil([&] {
-      for (size_t i = 0; i < ids.size(); ++i)
-        done[i] = eng.test(ids[i]).code() != StatusCode::kInProgress;
+      for (size_t i = 0; i < mine.size(); ++i)
+        done[i] = eng.test(mine[i].first).code() != StatusCode::kInProgress;
       return 0;
     });
-    size_t j = 0;
-    for (size_t i = 0; i < orphans.size(); ++i) {
-      if (done[i]) continue;
-      if (i != j) orphans[j] = std::move(orphans[i]);
-      ++j;
-    }
-    orphans.resize(j);
+    for (size_t i = 0; i < mine.size(); ++i)
+      if (!done[i]) orphans.push_back(std::move(mine[i]));
+    // `mine` releases the finished ones' memory here, with the GIL held.
   }
 };
 using BoxPtr = std::shared_ptr<EngineBox>;
@@ -612,6 +609,7 @@ struct PyTransfer {
       });
       if (finished) break;
       if (PyErr_CheckSignals() != 0) throw nb::python_error();
+      if (!box->try_get()) raise(StatusCode::kCancelled, "the engine was closed during the wait");
       if (bounded && Clock::now() >= deadline)
         raise(StatusCode::kTimeout, "transfer " + std::to_string(tid) + " (" + op + ", " +
                                         std::to_string(iovs) + " iovs) did not finish within " +
@@ -1234,6 +1232,7 @@ struct PyEngine {
       auto v = without_gil([&] { return eng->wait_notifications(slice); });
       if (!v.empty()) return to_list(std::move(v));
       if (PyErr_CheckSignals() != 0) throw nb::python_error();
+      if (!box->try_get()) raise(StatusCode::kCancelled, "the engine was closed during the wait");
       if (bounded && Clock::now() >= deadline) return nb::list();
     }
   }
