@@ -93,6 +93,11 @@ TEST(PeerFailure, KilledMidTransfer) {
   auto peers = engine->peers();
   EXPECT_EQ(std::find(peers.begin(), peers.end(), *vid), peers.end())
       << "the dead peer is still listed as connected";
+  const auto t1 = Clock::now();
+  const uint8_t hello[] = {'h', 'i'};
+  Status note = engine->notify(*vid, hello);
+  EXPECT_EQ(note.code(), StatusCode::kPeerDisconnected) << note.to_string();
+  EXPECT_LT(Clock::now() - t1, 2s);
 
   // The other peer is unaffected.
   ASSERT_NO_FATAL_FAILURE(ExpectRoundTrip(*engine, *bystander, *bid, small, 11));
@@ -173,6 +178,38 @@ TEST(PeerFailure, InitiatorKilledLeavesTargetServing) {
   const auto t0 = Clock::now();
   EXPECT_TRUE(engine->deregister_memory(region->id).ok());
   EXPECT_LT(Clock::now() - t0, 5s);
+}
+
+TEST(PeerFailure, EngineDestroyedWithTransfersInFlight) {
+  // Destroying an engine with transfers in flight neither hangs nor crashes,
+  // and the target it was writing to keeps serving others.
+  auto target = StartPeer({.size = kBlock, .seed = 1});
+  ASSERT_TRUE(target);
+  {
+    auto engine = MakeEngine();
+    ASSERT_TRUE(engine);
+    auto pid = engine->connect(ByteView(target->metadata));
+    ASSERT_TRUE(pid.ok());
+    Buffer src(kBlock), sink(kBlock);
+    ASSERT_TRUE(engine->register_memory(src.data(), kBlock).ok());
+    ASSERT_TRUE(engine->register_memory(sink.data(), kBlock).ok());
+    LocalIov wl{src.data(), kBlock}, rl{sink.data(), kBlock};
+    RemoteIov r{&target->rw, 0, kBlock};
+    for (int i = 0; i < 8; ++i) {
+      ASSERT_TRUE(engine->write_async(*pid, {&wl, 1}, {&r, 1}).ok());
+      ASSERT_TRUE(engine->read_async(*pid, {&rl, 1}, {&r, 1}).ok());
+    }
+    const auto t0 = Clock::now();
+    engine.reset();  // buffers are freed right after: the engine must be done with them
+    EXPECT_LT(Clock::now() - t0, 10s) << "engine destruction waited for 1 GiB of transfers";
+  }
+  ASSERT_TRUE(target->Alive());
+  auto other = MakeEngine();
+  ASSERT_TRUE(other);
+  auto pid = other->connect(ByteView(target->metadata));
+  ASSERT_TRUE(pid.ok()) << pid.status().to_string();
+  LocalBuffer small(*other, 1 << 20);
+  ASSERT_NO_FATAL_FAILURE(ExpectRoundTrip(*other, *target, *pid, small, 30));
 }
 
 }  // namespace

@@ -236,3 +236,52 @@ TEST_F(RefusalTest, OneBadIovFailsTheBatchAndLeavesItsRangeAlone) {
 
 }  // namespace
 }  // namespace ferry::itest
+
+namespace ferry::itest {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Deregistration revokes at once, end to end: once the target's
+// deregister_memory() has returned, no byte of a write still streaming in
+// lands in the region, and the rest of the stream is refused with NotFound.
+TEST(Revocation, DeregistrationStopsAStreamOfWrites) {
+  constexpr uint64_t kBlock = 16 << 20;
+  constexpr int kWrites = 48;  // 768 MiB in flight
+  auto peer = StartPeer({.size = kBlock, .seed = 1});
+  ASSERT_TRUE(peer);
+  auto engine = MakeEngine();
+  ASSERT_TRUE(engine);
+  auto pid = engine->connect(ByteView(peer->metadata));
+  ASSERT_TRUE(pid.ok()) << pid.status().to_string();
+  // Two sources with different bytes, written alternately, so any write that
+  // lands after the deregistration changes the region's checksum.
+  LocalBuffer a(*engine, kBlock), b(*engine, kBlock);
+  FillPattern(2, 0, a.data(), kBlock);
+  FillPattern(3, 0, b.data(), kBlock);
+  LocalIov la{a.data(), kBlock}, lb{b.data(), kBlock};
+  RemoteIov r{&peer->wo, 0, kBlock};
+  std::vector<TransferId> ids;
+  for (int i = 0; i < kWrites; ++i) {
+    auto id = engine->write_async(*pid, {i % 2 ? &lb : &la, 1}, {&r, 1});
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    ids.push_back(*id);
+  }
+  ASSERT_TRUE(engine->wait(ids[0], 60s).ok());  // the stream is flowing
+  ASSERT_EQ(peer->Command("dereg"), "OK");
+  const auto after_dereg = peer->Checksum(0, kBlock);
+  int refused = 0;
+  for (size_t i = 1; i < ids.size(); ++i) {
+    Status s = engine->wait(ids[i], 60s);
+    if (!s.ok()) {
+      EXPECT_EQ(s.code(), StatusCode::kNotFound) << "write " << i << ": " << s.to_string();
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 0) << "the whole stream finished before the deregistration";
+  EXPECT_EQ(peer->Checksum(0, kBlock), after_dereg)
+      << "bytes landed in the region after deregister_memory() returned";
+}
+
+}  // namespace
+}  // namespace ferry::itest

@@ -759,6 +759,25 @@ TEST(WireConnect, GarbageAndClosingServers) {
   EXPECT_TRUE(ok.ok()) << ok.status().to_string();
 }
 
+TEST(WireConnect, NothingListening) {
+  // A port that was just free: connection refused, reported at once.
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  socklen_t len = sizeof sa;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  ::close(fd);
+  auto e = MakeEngine();
+  ASSERT_TRUE(e);
+  const auto t0 = Clock::now();
+  auto p = e->connect(std::string_view("127.0.0.1:" + std::to_string(ntohs(sa.sin_port))));
+  EXPECT_FALSE(p.ok());
+  EXPECT_NE(p.status().code(), StatusCode::kOk);
+  EXPECT_LT(Clock::now() - t0, 2s);
+}
+
 TEST(WireConnect, MetadataWithAnotherProtocolVersion) {
   auto peer = StartPeer({.size = 1 << 16, .seed = 3});
   ASSERT_TRUE(peer);
