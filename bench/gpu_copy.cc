@@ -312,6 +312,7 @@ int main(int argc, char** argv) {
       return g;
     };
     // Poison the destination, run once, check every block (outside timing).
+    std::vector<uint8_t> src_snapshot;
     auto verify = [&](Method& m) {
       uint8_t* dbase = static_cast<uint8_t*>(w.contig_dst);
       if (w.dir == "D2H") {
@@ -323,7 +324,7 @@ int main(int argc, char** argv) {
       run_ferry(m);
       std::vector<uint8_t> got(bytes);
       CHECK(cudaMemcpy(got.data(), dbase, bytes, cudaMemcpyDefault));
-      const auto* pat = reinterpret_cast<const uint8_t*>(pattern.data());
+      const uint8_t* pat = src_snapshot.data();
       const uint8_t* sbase = static_cast<const uint8_t*>(w.contig_src);
       size_t bad = 0, first = 0;
       for (size_t i = 0; i < w.blocks.size(); ++i) {
@@ -345,6 +346,9 @@ int main(int argc, char** argv) {
         ++verify_failures;
       }
     };
+    // What the source holds now (earlier workloads rewrote device memory).
+    src_snapshot.resize(bytes);
+    CHECK(cudaMemcpy(src_snapshot.data(), w.contig_src, bytes, cudaMemcpyDefault));
     for (Method& m : ferry_methods) {
       m.gbps.clear();
       verify(m);

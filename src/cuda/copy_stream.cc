@@ -50,7 +50,6 @@ constexpr size_t kMaxPending = 1024;
 
 // Diagnostic knobs, read when a stream is created (docs/gpu.md):
 //   FERRY_GATHER_HOST_LOAD = cv | cs | pf256   how the kernel reads host memory
-//   FERRY_GATHER_DESC_LOAD = cv | nc           how it reads descriptors
 //   FERRY_GATHER_CE_EVERY  = n                 every n-th kernel block to the copy engine
 struct Knobs {
   cuda::GatherConfig gather;
@@ -69,16 +68,6 @@ Result<Knobs> read_knobs() {
       k.gather.host_load = cuda::HostLoad::kPrefetch256;
     } else {
       return err::InvalidArgument("FERRY_GATHER_HOST_LOAD=" + s + ": expected cv, cs or pf256");
-    }
-  }
-  if (const char* v = std::getenv("FERRY_GATHER_DESC_LOAD"); v != nullptr && *v != 0) {
-    const std::string s(v);
-    if (s == "cv") {
-      k.gather.desc_load = cuda::DescLoad::kFetchAgain;
-    } else if (s == "nc") {
-      k.gather.desc_load = cuda::DescLoad::kNonCoherent;
-    } else {
-      return err::InvalidArgument("FERRY_GATHER_DESC_LOAD=" + s + ": expected cv or nc");
     }
   }
   if (const char* v = std::getenv("FERRY_GATHER_CE_EVERY"); v != nullptr && *v != 0) {

@@ -473,7 +473,7 @@ TEST_F(GpuTest, InvalidInputIsRejectedClearly) {
   EXPECT_EQ(pageable[8192], 0x42);
   EXPECT_EQ(pageable[8192 + 4095], 0x42);
   EXPECT_EQ(pageable[8192 + 4096], 0x11);
-  b = {{pageable.data(), dev.data(), 512 << 10}};  // >= kernel_max_block: copy engine
+  b = {{pageable.data(), dev.data(), 1 << 20}};  // >= kernel_max_block: copy engine
   t = cs.submit(b);
   ASSERT_TRUE(t.ok()) << t.status().to_string();
   EXPECT_TRUE(cs.wait(t.value(), kWait).ok());
