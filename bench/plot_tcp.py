@@ -59,7 +59,8 @@ def main():
     series = {}
     for r in meas:
         if r["system"] == "ferry":
-            key = f"Ferry, {r.get('depth', 1)} call(s) in flight"
+            d = r.get("depth", 1)
+            key = "Ferry, blocking calls (depth 1)" if d == 1 else f"Ferry, {d} calls in flight (depth {d})"
         elif r["system"] == "iperf3":
             key = "iperf3, 1 stream (-l = block, max 1 MiB)"
         else:
@@ -74,7 +75,7 @@ def main():
     fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=120)
     ferry_shades = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2"]
     fi = 0
-    for key in sorted(series, key=lambda k: (not k.startswith("Ferry"), k)):
+    for key in sorted(series, key=lambda k: (not k.startswith("Ferry"), "blocking" not in k, k)):
         pts = series[key]
         st = dict(next(v for k, v in style.items() if key.startswith(k)))
         if key.startswith("Ferry"):
@@ -89,16 +90,20 @@ def main():
         kv = [(b, v) for (n, b), v in pts.items() if n == "kv"]
         for b, v in kv:
             ax.plot([b], [statistics.median(v)], marker="*", markersize=13, color=st["color"], ls="none")
+            ax.annotate("KV", (b, statistics.median(v)), textcoords="offset points", xytext=(7, -3),
+                        fontsize=7, color=st["color"])
     ax.plot([], [], marker="*", markersize=11, color="gray", ls="none",
             label="KV workload: 298 x 1,179,648 B per call")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ticks = sorted({b for s in series.values() for (_, b) in s})
+    ticks = sorted({b for s in series.values() for (n, b) in s if n != "kv"})
     ax.set_xticks(ticks)
     ax.set_xticklabels([size_label(b) for b in ticks])
     ax.set_xlabel("block size (4 KiB: 64 blocks per call; others: 1 block per call)")
     ax.set_ylabel("GB/s (10^9 B/s of payload)")
     when = run.get("date", "")
+    if len(when) == 16 and when[8] == "T":  # 20261122T162132Z
+        when = f"{when[:4]}-{when[4:6]}-{when[6:8]} {when[9:11]}:{when[11:13]} UTC"
     cpu = run.get("cpu", "")
     ax.set_title(f"Loopback TCP, one-sided WRITE: Ferry vs iperf3 vs UCX\n"
                  f"{cpu}, {run.get('nproc', '?')} cores, {when}, median of {run.get('reps', '?')}",

@@ -571,7 +571,9 @@ ferry::Status run_calls(const Ctx& c, bool is_write, const Iovs& v, uint64_t n, 
       auto id = post(c, is_write, v);
       if (!id.ok()) {
         for (auto& f : inflight) (void)c.engine.cancel(f.first);
-        return id.status();
+        return {id.status().code(), "posting " + std::string(is_write ? "write_async" : "read_async") +
+                                        " (" + std::to_string(inflight.size()) + " earlier calls in flight): " +
+                                        id.status().message()};
       }
       inflight.emplace_back(*id, t0);
       ++posted;
@@ -583,7 +585,7 @@ ferry::Status run_calls(const Ctx& c, bool is_write, const Iovs& v, uint64_t n, 
     auto t1 = Clock::now();
     if (!st.ok()) {
       for (auto& f : inflight) (void)c.engine.cancel(f.first);
-      return st;
+      return {st.code(), "waiting for transfer " + std::to_string(id) + ": " + st.message()};
     }
     if (lat) lat->push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
