@@ -231,6 +231,10 @@ def test_transfer_timeout_and_cancel(engine, target):
     except ferry.Timeout as exc:
         assert "still running" in str(exc)
     t.cancel()
+    try:
+        t.wait(timeout=30)  # the final status may take a moment to be reported
+    except ferry.Cancelled:
+        pass
     assert t.done()
     assert t.status in (ferry.StatusCode.Cancelled, ferry.StatusCode.Ok)
     if t.status == ferry.StatusCode.Cancelled:
