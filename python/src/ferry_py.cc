@@ -163,6 +163,11 @@ struct BufferRef {
 };
 
 uint64_t as_u64(nb::handle h, const char* what) {
+  if (PyLong_CheckExact(h.ptr())) {
+    const unsigned long long v = PyLong_AsUnsignedLongLong(h.ptr());
+    if (!(v == static_cast<unsigned long long>(-1) && PyErr_Occurred())) return v;
+    PyErr_Clear();
+  }
   if (!PyLong_Check(h.ptr())) {
     nb::object i = nb::steal(PyNumber_Index(h.ptr()));
     if (!i.is_valid()) {
@@ -856,15 +861,22 @@ struct PyPeer {
     };
     std::unordered_map<PyObject*, Local> buf_cache;
     uint64_t total = 0;
+    // Consecutive entries usually name the same buffer and descriptor.
+    PyObject* last_lobj = nullptr;
+    PyObject* last_robj = nullptr;
+    auto last_l = buf_cache.end();
+    auto last_d = desc_cache.end();
 
     for (Py_ssize_t i = 0; i < n; ++i) {
       // ---- local entry
       nb::handle lobj, loff, llen;
       split_entry(nb::handle(litems[i]), lobj, loff, llen, false, i);
       Local L{};
-      auto it = buf_cache.find(lobj.ptr());
+      auto it = lobj.ptr() == last_lobj ? last_l : buf_cache.find(lobj.ptr());
       if (it != buf_cache.end()) {
         L = it->second;
+        last_lobj = lobj.ptr();
+        last_l = it;
       } else {
         PyRegion* reg = nullptr;
         if (nb::try_cast<PyRegion*>(lobj, reg, false) && reg) {
@@ -894,9 +906,11 @@ struct PyPeer {
       nb::handle robj, roff, rlen;
       split_entry(nb::handle(ritems[i]), robj, roff, rlen, true, i);
       uint32_t di;
-      auto dit = desc_cache.find(robj.ptr());
+      auto dit = robj.ptr() == last_robj ? last_d : desc_cache.find(robj.ptr());
       if (dit != desc_cache.end()) {
         di = dit->second;
+        last_robj = robj.ptr();
+        last_d = dit;
       } else {
         di = static_cast<uint32_t>(descs.size());
         descs.push_back(parse_descriptor(robj));
