@@ -1333,6 +1333,41 @@ NB_MODULE(_ferry, m) {
   }, "Raise the exception of a status code (testing aid).");
   m.def("_last_binding_ns", [] { return t_binding_ns; },
         "ns the binding spent before the engine call, for the last transfer call of this thread");
+  m.def("_cpp_loop",
+        [](PyPeer& peer, const std::string& op, PyRegion& region, uint64_t block, uint64_t n,
+           nb::handle desc, uint64_t iters) {
+          // The C++ baseline for bench/python_bench.py: the same calls a C++ program
+          // makes (iovs built once, blocking Engine::write/read), on the same
+          // engine and connection as the Python calls it is compared with.
+          region.require_registered();
+          if (block == 0 || n == 0 || block * n > region.mr.length)
+            raise(StatusCode::kOutOfRange, "_cpp_loop: n * block exceeds the region");
+          ferry::RemoteDescriptor d = parse_descriptor(desc);
+          std::vector<ferry::LocalIov> local(n);
+          std::vector<ferry::RemoteIov> remote(n);
+          for (uint64_t i = 0; i < n; ++i) {
+            local[i] = {static_cast<char*>(region.mr.address) + i * block, block};
+            remote[i] = {&d, i * block, block};
+          }
+          auto eng = peer.box->get();
+          const bool is_write = op == "write";
+          std::vector<double> lat_us;
+          lat_us.reserve(iters);
+          ferry::Status st = without_gil([&] {
+            for (uint64_t k = 0; k < iters; ++k) {
+              auto t0 = Clock::now();
+              ferry::Status s = is_write ? eng->write(peer.id, local, remote)
+                                         : eng->read(peer.id, local, remote);
+              if (!s.ok()) return s;
+              lat_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+            }
+            return ferry::Status::Ok();
+          });
+          check(st);
+          return lat_us;
+        },
+        "peer"_a, "op"_a, "region"_a, "block"_a, "n"_a, "descriptor"_a, "iters"_a,
+        "Benchmark baseline: `iters` blocking C++ calls of n x block bytes; latencies in us.");
   m.def("version", [] { return std::string(ferry::version()); });
   m.def("protocol_version", [] { return ferry::protocol_version(); });
   m.def("_address_of", [](nb::handle obj) {
