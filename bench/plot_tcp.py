@@ -3,6 +3,7 @@
 
     python3 bench/plot_tcp.py                      # newest bench/results/tcp_vs_peers-*.jsonl
     python3 bench/plot_tcp.py RESULTS.jsonl -o docs/tcp_vs_peers.png
+    python3 bench/plot_tcp.py --markdown           # also print the tables for docs/benchmarks.md
 
 Each point is the median over the run's repetitions; thin error bars span the
 fastest and slowest repetition. The KV-cache workload (298 x 1,179,648 B per
@@ -34,12 +35,60 @@ def size_label(b):
     return f"{b}B"
 
 
+def print_markdown(path):
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    run = next((r for r in rows if r.get("kind") == "run"), {})
+    summ = [r for r in rows if r.get("kind") == "summary"]
+    depths = [str(d) for d in run.get("ferry_depths", [1])]
+    label = {"4KiBx64": "4 KiB × 64 iovs", "64KiB": "64 KiB", "1MiB": "1 MiB", "16MiB": "16 MiB",
+             "kv": "KV: 298 × 1,179,648 B"}
+    f = lambda v, p=3: "n/a" if v is None else f"{v:.{p}f}"
+    hdr = ["workload"] + [f"Ferry d{d}" for d in depths] + ["iperf3"] + [f"d{d} / iperf3" for d in depths] \
+        + ["UCX put_bw"] + [f"d{d} / UCX" for d in depths]
+    print("| " + " | ".join(hdr) + " |")
+    print("| " + " | ".join(["---"] + ["---:"] * (len(hdr) - 1)) + " |")
+    for s in summ:
+        fe = s["ferry"]
+        cells = [label.get(s["name"], s["name"])] + [f(fe[d]["gbps"]) for d in depths] + [f(s["iperf3_gbps"])] \
+            + [f(fe[d]["ratio_iperf3"], 2) for d in depths] + [f(s["ucx_gbps"])] + [f(fe[d]["ratio_ucx"], 2) for d in depths]
+        print("| " + " | ".join(cells) + " |")
+    print()
+    print("| workload | " + " | ".join(f"d{d} p50 / p99 µs" for d in depths) + " |")
+    print("| --- | " + " | ".join("---:" for _ in depths) + " |")
+    for s in summ:
+        fe = s["ferry"]
+        print(f"| {label.get(s['name'], s['name'])} | " +
+              " | ".join(f"{f(fe[d]['p50_us'], 0)} / {f(fe[d]['p99_us'], 0)}" for d in depths) + " |")
+    print()
+    # every run, to show the spread
+    meas = [r for r in rows if r.get("kind") == "measure" and r.get("system") in ("ferry", "iperf3", "ucx")]
+    names = [s["name"] for s in summ]
+    systems = [("ferry", int(d)) for d in depths] + [("iperf3", None), ("ucx", None)]
+    print("| workload | system | " + " | ".join(f"rep {i}" for i in range(1, run.get("reps", 3) + 1)) + " |")
+    print("| --- | --- | " + " | ".join("---:" for _ in range(run.get("reps", 3))) + " |")
+    for n in names:
+        for sysname, d in systems:
+            vals = sorted((r["rep"], r["gbps"]) for r in meas if r["name"] == n and r["system"] == sysname
+                          and (d is None or r.get("depth") == d))
+            nm = f"Ferry d{d}" if sysname == "ferry" else ("iperf3" if sysname == "iperf3" else "UCX")
+            print(f"| {label.get(n, n)} | {nm} | " + " | ".join(f(v) for _, v in vals) + " |")
+    print()
+    for fl in (r for r in rows if r.get("kind") == "floor"):
+        print(f"- **{fl['result']}** {fl['floor']}: {fl['detail']}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="?", help="JSON lines from tcp_vs_peers.sh (default: newest)")
     ap.add_argument("-o", "--output", default=os.path.join(ROOT, "docs", "tcp_vs_peers.png"))
+    ap.add_argument("--markdown", action="store_true", help="print the result tables as Markdown")
+    ap.add_argument("--no-plot", action="store_true", help="only --markdown")
     args = ap.parse_args()
     path = args.results or newest_results()
+    if args.markdown:
+        print_markdown(path)
+    if args.no_plot:
+        return
 
     try:
         import matplotlib
