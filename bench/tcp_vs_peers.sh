@@ -26,7 +26,9 @@
 #   --ferry-args "..."  extra ferry-bench arguments for the throughput runs
 #                       (e.g. "--depth 4" or "--streams 4"); recorded in the output
 #   --depths "1 8"      ferry-bench --depth values to run (env FERRY_DEPTHS)
-#   --skip-rss, --skip-post-cost, --skip-peers (iperf3/UCX), --skip-qperf
+#   --skip-rss, --skip-post-cost, --skip-peers (iperf3/UCX), --skip-qperf,
+#   --skip-mooncake     (Mooncake Transfer Engine from PyPI, installed into
+#                        BUILD_DIR/peers-venv on first use; informational, no floor)
 # Exit status: 0 when it ran (floors may FAIL: see the table), 1 when it could
 # not run, 2 with --strict when a floor failed.
 set -euo pipefail
@@ -40,6 +42,7 @@ DO_RSS=1
 DO_POST=1
 DO_PEERS=1
 DO_QPERF=1
+DO_MOONCAKE=1
 STRICT=0
 FERRY_ARGS="${FERRY_ARGS:-}"
 # Ferry runs twice per workload: blocking calls (depth 1: write() returns when
@@ -59,6 +62,7 @@ while [[ $# -gt 0 ]]; do
     --skip-post-cost) DO_POST=0; shift ;;
     --skip-peers) DO_PEERS=0; shift ;;
     --skip-qperf) DO_QPERF=0; shift ;;
+    --skip-mooncake) DO_MOONCAKE=0; shift ;;
     --strict) STRICT=1; shift ;;
     -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "tcp_vs_peers.sh: unknown argument '$1' (see --help)" >&2; exit 1 ;;
@@ -232,12 +236,109 @@ run_ucx() {  # name block rep [iterations]: prints GB/s
   reap "$spid"
 }
 
+# --- Mooncake Transfer Engine (PyPI mooncake-transfer-engine-non-cuda), tcp ------
+# One target process for the whole run (P2PHANDSHAKE metadata, no etcd), one
+# initiator process per measurement calling batch_transfer_sync_write (blocking,
+# like Ferry d1) in a loop for about FERRY_TIME seconds.
+MC_REASON=""
+MC_PY="$BUILD_DIR/peers-venv/bin/python"
+MC_SEGMENT=""
+MC_TARGET_PID=""
+setup_mooncake() {
+  if ! "$MC_PY" -c "import mooncake.engine" 2>/dev/null; then
+    log "installing mooncake-transfer-engine-non-cuda into $BUILD_DIR/peers-venv"
+    python3 -m venv "$BUILD_DIR/peers-venv" >/dev/null 2>&1 &&
+      "$BUILD_DIR/peers-venv/bin/pip" install -q mooncake-transfer-engine-non-cuda >"$TMP/mc_pip.txt" 2>&1 ||
+      { MC_REASON="pip install mooncake-transfer-engine-non-cuda failed: $(tail -n 1 "$TMP/mc_pip.txt")"; return 1; }
+    "$MC_PY" -c "import mooncake.engine" 2>"$TMP/mc_imp.txt" ||
+      { MC_REASON="import mooncake.engine failed: $(tail -n 1 "$TMP/mc_imp.txt")"; return 1; }
+  fi
+  cat >"$TMP/mc.py" <<'MCPY'
+import ctypes, json, mmap, sys, time
+from mooncake.engine import TransferEngine
+
+def engine():
+    e = TransferEngine()
+    if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        sys.exit("mooncake: initialize failed")
+    return e
+
+def buf(n):
+    m = mmap.mmap(-1, n)
+    return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+if sys.argv[1] == "target":
+    size = int(sys.argv[2])
+    e = engine()
+    m, addr = buf(size)
+    if e.register_memory(addr, size) != 0:
+        sys.exit("mooncake: register_memory failed")
+    print(json.dumps({"segment": f"127.0.0.1:{e.get_rpc_port()}", "addr": addr, "size": size}), flush=True)
+    sys.stdin.read()
+    sys.exit(0)
+info = json.loads(open(sys.argv[2]).read())
+block, batch, secs = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+size = block * batch
+e = engine()
+m, addr = buf(size)
+m.write(bytes(range(256)) * (size // 256))
+if e.register_memory(addr, size) != 0:
+    sys.exit("mooncake: register_memory failed")
+srcs = [addr + i * block for i in range(batch)]
+dsts = [info["addr"] + i * block for i in range(batch)]
+lens = [block] * batch
+seg = info["segment"]
+def call():
+    rc = e.batch_transfer_sync_write(seg, srcs, dsts, lens)
+    if rc != 0:
+        sys.exit(f"mooncake: batch_transfer_sync_write returned {rc}")
+t0 = time.perf_counter()
+n = 0
+while n < 2 or time.perf_counter() - t0 < 0.3:
+    call(); n += 1
+lat = []
+t0 = time.perf_counter()
+while len(lat) < 3 or time.perf_counter() - t0 < secs:
+    a = time.perf_counter(); call(); lat.append(time.perf_counter() - a)
+el = time.perf_counter() - t0
+lat.sort()
+print(json.dumps({"gbps": len(lat) * size / el / 1e9, "iters": len(lat), "block_size": block, "batch": batch,
+                  "p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6}))
+MCPY
+  # Region for the largest workload (KV: 298 x 1,179,648 B).
+  mkfifo "$TMP/mc_in"
+  "$MC_PY" "$TMP/mc.py" target 352321536 <"$TMP/mc_in" >"$TMP/mc_target.json" 2>"$TMP/mc_target.err" &
+  MC_TARGET_PID=$!
+  PIDS+=("$MC_TARGET_PID")
+  exec {MC_IN}>"$TMP/mc_in"  # keeps the target's stdin open until the script ends
+  local i
+  for ((i = 0; i < 200; i++)); do
+    [[ -s "$TMP/mc_target.json" ]] && break
+    kill -0 "$MC_TARGET_PID" 2>/dev/null || break
+    sleep 0.1
+  done
+  [[ -s "$TMP/mc_target.json" ]] || { MC_REASON="mooncake target did not start: $(tail -n 1 "$TMP/mc_target.err")"; return 1; }
+  return 0
+}
+
+run_mooncake() {  # name block batch rep
+  local name=$1 block=$2 batch=$3 rep=$4 line
+  if line=$(timeout 120 "$MC_PY" "$TMP/mc.py" initiator "$TMP/mc_target.json" "$block" "$batch" "$FERRY_TIME" \
+      2>"$TMP/mc.err" | tail -n 1) && [[ -n "$line" ]]; then
+    emit "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(kind="measure", system="mooncake", name=sys.argv[2], rep=int(sys.argv[3])); print(json.dumps(d))' "$line" "$name" "$rep")"
+    python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$line"
+  else
+    log "mooncake failed for $name: $(grep -v '^I' "$TMP/mc.err" | tail -n 2 | tr '\n' ' ')"
+  fi
+}
+
 run_one() {  # system name block batch rep [depth]
   local v="" label=$1
   case $1 in
     ferry) v=$(run_ferry "$2" "$3" "$4" "$5" "$6"); label="ferry depth $6" ;;
     iperf3) [[ $DO_PEERS -eq 1 ]] && v=$(run_iperf3 "$2" "$3" "$5") ;;
     ucx) [[ $DO_PEERS -eq 1 ]] && v=$(run_ucx "$2" "$3" "$5") ;;
+    mooncake) [[ $DO_MOONCAKE -eq 1 ]] && v=$(run_mooncake "$2" "$3" "$4" "$5") ;;
   esac
   log "rep $5/$REPS $2 $label: ${v:-n/a} GB/s"
 }
@@ -257,13 +358,18 @@ if [[ $DO_PEERS -eq 1 ]]; then
     log "UCX calibration $name: ${v:-n/a} GB/s -> -n ${UCX_N[$name]:-default}"
   done
 fi
+if [[ $DO_MOONCAKE -eq 1 ]]; then
+  setup_mooncake || { log "mooncake not run: $MC_REASON"; DO_MOONCAKE=0; }
+else
+  MC_REASON="skipped (--skip-mooncake)"
+fi
 for ((rep = 1; rep <= REPS; rep++)); do
   for wl in "${WORKLOADS[@]}"; do
     read -r name block batch <<<"$wl"
     # rotate the order each repetition so no system always runs first
-    order=(ferry iperf3 ucx)
-    ((rep % 3 == 2)) && order=(iperf3 ucx ferry)
-    ((rep % 3 == 0)) && order=(ucx ferry iperf3)
+    order=(ferry iperf3 ucx mooncake)
+    ((rep % 3 == 2)) && order=(iperf3 ucx mooncake ferry)
+    ((rep % 3 == 0)) && order=(ucx mooncake ferry iperf3)
     for sys in "${order[@]}"; do
       [[ $sys == ferry ]] || { run_one "$sys" "$name" "$block" "$batch" "$rep"; continue; }
       for d in $FERRY_DEPTHS; do run_one ferry "$name" "$block" "$batch" "$rep" "$d"; done
@@ -324,9 +430,15 @@ if [[ $DO_RSS -eq 1 ]]; then
 fi
 
 # --- PyPI peer engines -------------------------------------------------------------------
-for peer in "nixl:NIXL (UCX backend)" "mooncake-transfer-engine-non-cuda:Mooncake Transfer Engine (tcp)"; do
-  emit "{\"kind\":\"not_run\",\"system\":\"${peer%%:*}\",\"what\":\"${peer#*:}\",\"reason\":\"not run by this script: it needs a PyPI install plus a Python driver for each engine's own API and bootstrap; UCX put_bw (the transport under NIXL) stands in for NIXL here\"}"
-done
+if [[ -n "$MC_TARGET_PID" ]]; then
+  exec {MC_IN}>&- 2>/dev/null || true
+  reap "$MC_TARGET_PID"
+fi
+if [[ $DO_MOONCAKE -eq 0 ]]; then
+  emit "$(python3 -c 'import json,sys; print(json.dumps({"kind":"not_run","system":"mooncake","what":"Mooncake Transfer Engine (tcp)","reason":sys.argv[1]}))' "$MC_REASON")"
+fi
+emit '{"kind":"not_run","system":"nixl","what":"NIXL (UCX backend)","reason":"not tried: the PyPI nixl packages are built for CUDA machines and need a Python driver for the agent API and metadata exchange; UCX ucp_put_bw (the transport under NIXL UCX backend) stands in for it"}'
+emit '{"kind":"not_run","system":"uccl","what":"UCCL P2P","reason":"not tried: GPU/RDMA-oriented package, this machine has neither"}'
 
 elapsed=$(($(date +%s) - start))
 emit "{\"kind\":\"elapsed\",\"seconds\":$elapsed}"
@@ -359,24 +471,28 @@ summary = []
 print()
 print("Ferry (tcp, ferry-bench --spawn-local --op write, d = calls in flight) vs iperf3 (1 stream,")
 print("-l = block, at most 1 MiB) vs UCX put_bw (UCX_TLS=tcp, -s = block); loopback; GB/s = 10^9 B/s")
-print("of payload; median of each system's runs")
+print("of payload; median of each system's runs; Mooncake (MC) = Transfer Engine tcp, blocking batch writes")
 cols = "".join(f"{'Ferry d'+str(d):>10}" for d in depths)
 rcols = "".join(f"{'/iperf3 d'+str(d):>11}" for d in depths)
 ucols = "".join(f"{'/UCX d'+str(d):>9}" for d in depths)
-hdr = f"{'workload':<15}{cols}{'iperf3':>9}{rcols}{'UCX':>8}{ucols}"
+have_mc = any(r.get("system") == "mooncake" and r.get("kind") == "measure" for r in rows)
+mcols = "".join(f"{'/MC d'+str(d):>8}" for d in depths) if have_mc else ""
+hdr = f"{'workload':<15}{cols}{'iperf3':>9}{rcols}{'UCX':>8}{ucols}" + (f"{'Mooncake':>9}{mcols}" if have_mc else "")
 print(hdr)
 print("-" * len(hdr))
 for name in order:
     ig, _ = med("iperf3", name)
     ug, _ = med("ucx", name)
     line = f"{label[name]:<15}"
-    s = {"kind": "summary", "name": name, "iperf3_gbps": ig, "ucx_gbps": ug, "ferry": {}}
+    mg, _ = med("mooncake", name)
+    s = {"kind": "summary", "name": name, "iperf3_gbps": ig, "ucx_gbps": ug, "mooncake_gbps": mg, "ferry": {}}
     for d in depths:
         fg, n = med("ferry", name, depth=d)
         p50, _ = med("ferry", name, "p50_us", d)
         p99, _ = med("ferry", name, "p99_us", d)
         s["ferry"][str(d)] = {"gbps": fg, "p50_us": p50, "p99_us": p99, "runs": n,
-                              "ratio_iperf3": ratio(fg, ig), "ratio_ucx": ratio(fg, ug)}
+                              "ratio_iperf3": ratio(fg, ig), "ratio_ucx": ratio(fg, ug),
+                              "ratio_mooncake": ratio(fg, mg)}
         line += f"{f(fg):>10}"
     line += f"{f(ig):>9}"
     for d in depths:
@@ -384,6 +500,10 @@ for name in order:
     line += f"{f(ug):>8}"
     for d in depths:
         line += f"{f(s['ferry'][str(d)]['ratio_ucx'], '{:.2f}'):>9}"
+    if have_mc:
+        line += f"{f(mg):>9}"
+        for d in depths:
+            line += f"{f(s['ferry'][str(d)]['ratio_mooncake'], '{:.2f}'):>8}"
     summary.append(s)
     print(line)
 print()
