@@ -43,14 +43,18 @@ def print_markdown(path):
     label = {"4KiBx64": "4 KiB × 64 iovs", "64KiB": "64 KiB", "1MiB": "1 MiB", "16MiB": "16 MiB",
              "kv": "KV: 298 × 1,179,648 B"}
     f = lambda v, p=3: "n/a" if v is None else f"{v:.{p}f}"
+    have_mc = any(s.get("mooncake_gbps") for s in summ)
     hdr = ["workload"] + [f"Ferry d{d}" for d in depths] + ["iperf3"] + [f"d{d} / iperf3" for d in depths] \
-        + ["UCX put_bw"] + [f"d{d} / UCX" for d in depths]
+        + ["UCX put_bw"] + [f"d{d} / UCX" for d in depths] \
+        + (["Mooncake"] + [f"d{d} / Mooncake" for d in depths] if have_mc else [])
     print("| " + " | ".join(hdr) + " |")
     print("| " + " | ".join(["---"] + ["---:"] * (len(hdr) - 1)) + " |")
     for s in summ:
         fe = s["ferry"]
         cells = [label.get(s["name"], s["name"])] + [f(fe[d]["gbps"]) for d in depths] + [f(s["iperf3_gbps"])] \
             + [f(fe[d]["ratio_iperf3"], 2) for d in depths] + [f(s["ucx_gbps"])] + [f(fe[d]["ratio_ucx"], 2) for d in depths]
+        if have_mc:
+            cells += [f(s.get("mooncake_gbps"))] + [f(fe[d].get("ratio_mooncake"), 2) for d in depths]
         print("| " + " | ".join(cells) + " |")
     print()
     print("| workload | " + " | ".join(f"d{d} p50 / p99 µs" for d in depths) + " |")
@@ -61,16 +65,17 @@ def print_markdown(path):
               " | ".join(f"{f(fe[d]['p50_us'], 0)} / {f(fe[d]['p99_us'], 0)}" for d in depths) + " |")
     print()
     # every run, to show the spread
-    meas = [r for r in rows if r.get("kind") == "measure" and r.get("system") in ("ferry", "iperf3", "ucx")]
+    meas = [r for r in rows if r.get("kind") == "measure" and r.get("system") in ("ferry", "iperf3", "ucx", "mooncake")]
     names = [s["name"] for s in summ]
-    systems = [("ferry", int(d)) for d in depths] + [("iperf3", None), ("ucx", None)]
+    systems = [("ferry", int(d)) for d in depths] + [("iperf3", None), ("ucx", None)] \
+        + ([("mooncake", None)] if have_mc else [])
     print("| workload | system | " + " | ".join(f"rep {i}" for i in range(1, run.get("reps", 3) + 1)) + " |")
     print("| --- | --- | " + " | ".join("---:" for _ in range(run.get("reps", 3))) + " |")
     for n in names:
         for sysname, d in systems:
             vals = sorted((r["rep"], r["gbps"]) for r in meas if r["name"] == n and r["system"] == sysname
                           and (d is None or r.get("depth") == d))
-            nm = f"Ferry d{d}" if sysname == "ferry" else ("iperf3" if sysname == "iperf3" else "UCX")
+            nm = f"Ferry d{d}" if sysname == "ferry" else {"iperf3": "iperf3", "ucx": "UCX", "mooncake": "Mooncake"}[sysname]
             print(f"| {label.get(n, n)} | {nm} | " + " | ".join(f(v) for _, v in vals) + " |")
     print()
     for fl in (r for r in rows if r.get("kind") == "floor"):
@@ -100,7 +105,7 @@ def main():
     rows = [json.loads(line) for line in open(path) if line.strip()]
     run = next((r for r in rows if r.get("kind") == "run"), {})
     meas = [r for r in rows if r.get("kind") == "measure" and r.get("gbps") is not None
-            and r.get("system") in ("ferry", "iperf3", "ucx")]
+            and r.get("system") in ("ferry", "iperf3", "ucx", "mooncake")]
     if not meas:
         sys.exit(f"plot_tcp.py: no measurements in {path}")
 
@@ -112,6 +117,8 @@ def main():
             key = "Ferry, blocking calls (depth 1)" if d == 1 else f"Ferry, {d} calls in flight (depth {d})"
         elif r["system"] == "iperf3":
             key = "iperf3, 1 stream (-l = block, max 1 MiB)"
+        elif r["system"] == "mooncake":
+            key = "Mooncake Transfer Engine (PyPI, tcp), blocking"
         else:
             key = "UCX 1.13 ucp_put_bw, UCX_TLS=tcp"
         series.setdefault(key, {}).setdefault((r["name"], r["block_size"]), []).append(r["gbps"])
@@ -120,6 +127,7 @@ def main():
         "Ferry": dict(color="#d62728", lw=2.2),
         "iperf3": dict(color="#1f77b4", lw=1.6, ls="--"),
         "UCX": dict(color="#2ca02c", lw=1.6, ls=":"),
+        "Mooncake": dict(color="#9467bd", lw=1.6, ls="-."),
     }
     fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=120)
     ferry_shades = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2"]
@@ -154,7 +162,7 @@ def main():
     if len(when) == 16 and when[8] == "T":  # 20261122T162132Z
         when = f"{when[:4]}-{when[4:6]}-{when[6:8]} {when[9:11]}:{when[11:13]} UTC"
     cpu = run.get("cpu", "")
-    ax.set_title(f"Loopback TCP, one-sided WRITE: Ferry vs iperf3 vs UCX\n"
+    ax.set_title(f"Loopback TCP, one-sided WRITE: Ferry vs iperf3, UCX, Mooncake\n"
                  f"{cpu}, {run.get('nproc', '?')} cores, {when}, median of {run.get('reps', '?')}",
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
