@@ -495,7 +495,25 @@ TEST_F(TransferTest, BatchLimitsAndArgumentErrors) {
   Status s = engine_->write(pid_, l, r, std::nullopt, 120s);
   ASSERT_TRUE(s.ok()) << s.to_string();
   EXPECT_EQ(peer_->Checksum(0, kMaxBatch), HashBytes(buf.data(), kMaxBatch));
+  // And read them back mirrored: local byte i from remote byte N-1-i.
+  Buffer mirror_src(kMaxBatch);
+  std::memcpy(mirror_src.data(), buf.data(), kMaxBatch);
+  std::memset(buf.data(), 0, kMaxBatch);
+  for (size_t i = 0; i < kMaxBatch; ++i) r[i].offset = kMaxBatch - 1 - i;
+  s = engine_->read(pid_, l, r, 120s);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  for (size_t i = 0; i < kMaxBatch; ++i) {
+    if (buf.data()[i] != mirror_src.data()[kMaxBatch - 1 - i]) {
+      ADD_FAILURE() << "mirrored read: local byte " << i << " is wrong";
+      break;
+    }
+  }
+  for (size_t i = 0; i < kMaxBatch; ++i) r[i].offset = i;
   const uint64_t before = *peer_->Checksum(0, 1 << 20);
+  LocalIov zero{buf.data(), 0};
+  RemoteIov zero_r{&peer_->rw, 0, 0};
+  s = engine_->write(pid_, {&zero, 1}, {&zero_r, 1});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "zero-length iov: " << s.to_string();
 
   l.push_back({buf.data(), 1});
   r.push_back({&peer_->rw, 0, 1});
