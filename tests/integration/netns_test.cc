@@ -54,12 +54,10 @@ class NetnsPair {
       if (Run({"ip", "netns", "add", ns_[i]}, &out) != 0) {
         return "'ip netns add' failed (no CAP_SYS_ADMIN/CAP_NET_ADMIN?): " + out;
       }
-      created_ns_[i] = true;
     }
     if (Run({"ip", "link", "add", veth_[0], "type", "veth", "peer", "name", veth_[1]}, &out) != 0) {
       return "cannot create a veth pair: " + out;
     }
-    created_veth_ = true;
     for (int i = 0; i < 2; ++i) {
       const std::string addr = Address(i) + "/24";
       const std::vector<std::vector<std::string>> steps = {
@@ -78,7 +76,6 @@ class NetnsPair {
   void Destroy() {
     for (int i = 0; i < 2; ++i) (void)Run({"ip", "netns", "del", ns_[i]});
     (void)Run({"ip", "link", "del", veth_[0]});  // only if never moved
-    created_ns_[0] = created_ns_[1] = created_veth_ = false;
   }
 
   static std::string Address(int i) { return i == 0 ? "169.254.77.1" : "169.254.77.2"; }
@@ -86,8 +83,6 @@ class NetnsPair {
 
  private:
   std::string ns_[2], veth_[2];
-  bool created_ns_[2] = {false, false};
-  bool created_veth_ = false;
 };
 
 class CrossNamespace : public ::testing::Test {
