@@ -7,6 +7,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <mutex>
 #include <set>
 
 #include "core/metadata.h"
@@ -16,6 +17,7 @@
 #include "core/version.h"
 #include "cuda/cuda_detect.h"
 #include "fmt/format.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "transport/transport.h"
 
@@ -31,7 +33,9 @@ const OptionSpec kEngineOptionSpecs[] = {
      "log level: trace, debug, info, warn, error, off"},
 };
 
-std::string hex_id(uint64_t id) { return fmt::format("{:016x}", id); }
+std::string hex_id(uint64_t id) {
+  return fmt::format("{:016x}", id);
+}
 
 std::vector<OptionSpec> all_option_specs() {
   std::vector<OptionSpec> specs(std::begin(kEngineOptionSpecs), std::end(kEngineOptionSpecs));
@@ -39,6 +43,20 @@ std::vector<OptionSpec> all_option_specs() {
     specs.insert(specs.end(), t.options.begin(), t.options.end());
   }
   return specs;
+}
+
+// spdlog's default logger writes to stdout, which belongs to the application
+// (ferry-bench --json, a user's own output). Log to stderr instead, unless the
+// application installed a logger of its own.
+void log_to_stderr() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    auto current = spdlog::default_logger();
+    if (current && !current->name().empty()) return;  // the application's choice
+    auto logger = spdlog::get("ferry");
+    if (!logger) logger = spdlog::stderr_color_mt("ferry");
+    spdlog::set_default_logger(logger);
+  });
 }
 
 }  // namespace
@@ -52,8 +70,10 @@ class Engine::Impl : public TransportEvents {
     const std::string& level = options_.get_string("engine.log_level");
     const auto parsed = spdlog::level::from_str(level);
     if (parsed == spdlog::level::off && level != "off") {
-      return err::InvalidArgument(fmt::format("option engine.log_level: unknown level '{}'", level));
+      return err::InvalidArgument(
+          fmt::format("option engine.log_level: unknown level '{}'", level));
     }
+    log_to_stderr();
     spdlog::set_level(parsed);
     if (sodium_init() < 0) return err::Internal("libsodium failed to initialise");
     // register_memory tells GPU memory from host memory (host-only without CUDA).
@@ -114,8 +134,8 @@ class Engine::Impl : public TransportEvents {
       return err::PeerDisconnected(
           fmt::format("peer {} is disconnected ({}); connect again", hex_id(peer), it->second));
     }
-    return err::NotFound(
-        fmt::format("peer {} is not connected: call connect() with its metadata first", hex_id(peer)));
+    return err::NotFound(fmt::format(
+        "peer {} is not connected: call connect() with its metadata first", hex_id(peer)));
   }
 
   // Local checks of one batch; fills the segments handed to the transport.
@@ -124,12 +144,12 @@ class Engine::Impl : public TransportEvents {
                         std::vector<Segment>* out) {
     const char* op = wanted == kAccessWrite ? "write" : "read";
     if (local.size() != remote.size()) {
-      return err::InvalidArgument(fmt::format("{}: {} local iovs but {} remote iovs", op,
-                                              local.size(), remote.size()));
+      return err::InvalidArgument(
+          fmt::format("{}: {} local iovs but {} remote iovs", op, local.size(), remote.size()));
     }
     if (local.empty() || local.size() > kMaxIovsPerCall) {
-      return err::InvalidArgument(fmt::format("{}: {} iovs (allowed 1 to {})", op, local.size(),
-                                              kMaxIovsPerCall));
+      return err::InvalidArgument(
+          fmt::format("{}: {} iovs (allowed 1 to {})", op, local.size(), kMaxIovsPerCall));
     }
     out->resize(local.size());
     MemoryRegion cached{};
@@ -149,14 +169,15 @@ class Engine::Impl : public TransportEvents {
                         op, i, d->region_id, hex_id(d->engine_id), hex_id(peer)));
       }
       if (r.offset > d->length || r.length > d->length - r.offset) {
-        return err::OutOfRange(fmt::format(
-            "{} iov {}: remote [{}, +{}) is outside the {} bytes advertised for region {} of peer {}",
-            op, i, r.offset, r.length, d->length, d->region_id, hex_id(peer)));
+        return err::OutOfRange(
+            fmt::format("{} iov {}: remote [{}, +{}) is outside the {} bytes advertised for region "
+                        "{} of peer {}",
+                        op, i, r.offset, r.length, d->length, d->region_id, hex_id(peer)));
       }
       if ((d->access & wanted) != wanted) {
-        return err::PermissionDenied(fmt::format(
-            "{} iov {}: region {} of peer {} was advertised for {} access", op, i, d->region_id,
-            hex_id(peer), access_name(d->access)));
+        return err::PermissionDenied(
+            fmt::format("{} iov {}: region {} of peer {} was advertised for {} access", op, i,
+                        d->region_id, hex_id(peer), access_name(d->access)));
       }
       const auto a = reinterpret_cast<uintptr_t>(l.address);
       const auto base = reinterpret_cast<uintptr_t>(cached.address);
@@ -210,7 +231,8 @@ class Engine::Impl : public TransportEvents {
     auto t = transfers_.find(id);
     if (!t) return unknown_transfer(id);
     if (!t->wait_until(std::chrono::steady_clock::now() + timeout)) {
-      return err::Timeout(fmt::format("transfer {} still in progress after {} ms", id, timeout.count()));
+      return err::Timeout(
+          fmt::format("transfer {} still in progress after {} ms", id, timeout.count()));
     }
     transfers_.erase(id);
     return t->status();
@@ -245,7 +267,9 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
-uint64_t Engine::id() const { return impl_->id_; }
+uint64_t Engine::id() const {
+  return impl_->id_;
+}
 
 Bytes Engine::metadata() const {
   EngineMetadata m;
@@ -263,20 +287,23 @@ std::string Engine::listen_address() const {
   return all.substr(0, all.find(','));
 }
 
-std::vector<OptionInfo> Engine::options() const { return impl_->options_.list(); }
+std::vector<OptionInfo> Engine::options() const {
+  return impl_->options_.list();
+}
 
 Result<PeerId> Engine::connect(ByteView metadata) {
   auto m = EngineMetadata::decode(metadata);
   if (!m.ok()) return m.status();
   if (m->protocol_version != kProtocolVersion) {
-    return err::ProtocolError(fmt::format(
-        "protocol version mismatch: engine {} on {} speaks {}, this engine speaks {}",
-        hex_id(m->engine_id), m->hostname, m->protocol_version, kProtocolVersion));
+    return err::ProtocolError(
+        fmt::format("protocol version mismatch: engine {} on {} speaks {}, this engine speaks {}",
+                    hex_id(m->engine_id), m->hostname, m->protocol_version, kProtocolVersion));
   }
   const auto* address = m->find(impl_->network_->name());
   if (!address) {
-    return err::NotSupported(fmt::format("engine {} on {} offers no {} address", hex_id(m->engine_id),
-                                         m->hostname, impl_->network_->name()));
+    return err::NotSupported(fmt::format("engine {} on {} offers no {} address",
+                                         hex_id(m->engine_id), m->hostname,
+                                         impl_->network_->name()));
   }
   return impl_->network_->connect(address->blob, m->engine_id);
 }
@@ -299,7 +326,9 @@ Result<MemoryRegion> Engine::register_memory(void* address, uint64_t length) {
   return impl_->registry_.add(address, length);
 }
 
-Status Engine::deregister_memory(RegionId region) { return impl_->registry_.remove(region); }
+Status Engine::deregister_memory(RegionId region) {
+  return impl_->registry_.remove(region);
+}
 
 Result<RemoteDescriptor> Engine::advertise(RegionId region, uint64_t offset, uint64_t length,
                                            uint8_t access) const {
@@ -330,8 +359,9 @@ Status finish_blocking(Engine& e, Result<TransferId> id, std::chrono::millisecon
 }
 }  // namespace
 
-Status Engine::write(PeerId peer, std::span<const LocalIov> local, std::span<const RemoteIov> remote,
-                     std::optional<ByteView> notification, std::chrono::milliseconds timeout) {
+Status Engine::write(PeerId peer, std::span<const LocalIov> local,
+                     std::span<const RemoteIov> remote, std::optional<ByteView> notification,
+                     std::chrono::milliseconds timeout) {
   return finish_blocking(*this, write_async(peer, local, remote, notification), timeout);
 }
 
@@ -388,7 +418,11 @@ std::vector<Notification> Engine::wait_notifications(std::chrono::milliseconds t
   return take_notifications();
 }
 
-std::string_view version() { return kLibraryVersion; }
-uint16_t protocol_version() { return kProtocolVersion; }
+std::string_view version() {
+  return kLibraryVersion;
+}
+uint16_t protocol_version() {
+  return kProtocolVersion;
+}
 
 }  // namespace ferry

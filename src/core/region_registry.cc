@@ -9,7 +9,9 @@
 namespace ferry {
 namespace {
 
-MemoryKindInfo host_only_detector(const void*) { return {}; }
+MemoryKindInfo host_only_detector(const void*) {
+  return {};
+}
 std::atomic<MemoryKindDetector> g_detector{&host_only_detector};
 
 // a+b <= limit without overflowing.
@@ -33,7 +35,9 @@ RegionPin& RegionPin::operator=(RegionPin&& other) noexcept {
   }
   return *this;
 }
-RegionPin::~RegionPin() { release(); }
+RegionPin::~RegionPin() {
+  release();
+}
 void RegionPin::release() {
   if (region_) {
     region_->active_ops.fetch_sub(1, std::memory_order_acq_rel);
@@ -105,8 +109,8 @@ size_t RegionRegistry::size() const {
   return by_id_.size();
 }
 
-uint64_t RegionRegistry::compute_key(const Region& region, uint64_t adv_offset,
-                                     uint64_t adv_length, uint8_t access) {
+uint64_t RegionRegistry::compute_key(const Region& region, uint64_t adv_offset, uint64_t adv_length,
+                                     uint8_t access) {
   static_assert(crypto_shorthash_KEYBYTES == 16 && crypto_shorthash_BYTES == 8);
   uint8_t msg[8 * 3 + 1];
   std::memcpy(msg, &region.info.id, 8);
@@ -118,9 +122,8 @@ uint64_t RegionRegistry::compute_key(const Region& region, uint64_t adv_offset,
   return key;
 }
 
-Result<RemoteDescriptor> RegionRegistry::advertise(uint64_t engine_id, RegionId id,
-                                                   uint64_t offset, uint64_t length,
-                                                   uint8_t access) const {
+Result<RemoteDescriptor> RegionRegistry::advertise(uint64_t engine_id, RegionId id, uint64_t offset,
+                                                   uint64_t length, uint8_t access) const {
   auto region = find(id);
   if (!region) return err::NotFound(fmt::format("advertise: region {} is not registered", id));
   if (access == 0 || access > kAccessReadWrite) {
@@ -133,8 +136,8 @@ Result<RemoteDescriptor> RegionRegistry::advertise(uint64_t engine_id, RegionId 
   }
   if (length == UINT64_MAX) length = size - offset;
   if (!fits(offset, length, size)) {
-    return err::OutOfRange(fmt::format(
-        "advertise: [{}, {}+{}) exceeds region {} of length {}", offset, offset, length, id, size));
+    return err::OutOfRange(fmt::format("advertise: [{}, {}+{}) exceeds region {} of length {}",
+                                       offset, offset, length, id, size));
   }
   RemoteDescriptor d;
   d.engine_id = engine_id;
@@ -151,7 +154,19 @@ Result<RemoteDescriptor> RegionRegistry::advertise(uint64_t engine_id, RegionId 
 
 Result<uint8_t*> RegionRegistry::check_remote(const RemoteAccessRequest& req, uint8_t wanted,
                                               RegionPin* pin) const {
-  auto region = find(req.region_id);
+  // Pin while holding the lock remove() needs to revoke: either remove() runs
+  // first and we find nothing, or it sees our pin and waits for it. Finding
+  // and pinning in two steps would let remove() return between them.
+  std::shared_ptr<Region> region;
+  RegionPin held;
+  {
+    std::shared_lock lock(mu_);
+    auto it = by_id_.find(req.region_id);
+    if (it != by_id_.end()) {
+      region = it->second;
+      held = RegionPin(region);
+    }
+  }
   if (!region) {
     return err::NotFound(
         fmt::format("region {} is not registered on the target (deregistered?)", req.region_id));
@@ -177,7 +192,7 @@ Result<uint8_t*> RegionRegistry::check_remote(const RemoteAccessRequest& req, ui
         req.region_id, req.offset, req.length, req.adv_length, region->info.length));
   }
   auto* addr = static_cast<uint8_t*>(region->info.address) + req.adv_offset + req.offset;
-  if (pin) *pin = RegionPin(std::move(region));
+  if (pin) *pin = std::move(held);
   return addr;
 }
 
@@ -193,8 +208,8 @@ Result<MemoryRegion> RegionRegistry::find_local(const void* address, uint64_t le
     const auto base = reinterpret_cast<uintptr_t>(info.address);
     if (a - base <= info.length && length <= info.length - (a - base)) return info;
   }
-  return err::NotFound(fmt::format(
-      "local buffer [{:#x}, +{}) is not inside any registered region", a, length));
+  return err::NotFound(
+      fmt::format("local buffer [{:#x}, +{}) is not inside any registered region", a, length));
 }
 
 }  // namespace ferry

@@ -12,21 +12,35 @@
 namespace ferry::tcp {
 
 const OptionSpec kTcpOptionSpecs[] = {
-    {"tcp.streams", OptionType::kUint, "2", "TCP connections (streams) per peer; frames are striped over them", 1, 64},
-    {"tcp.io_threads", OptionType::kUint, "2", "I/O threads (epoll loops) of the tcp transport", 1, 64},
-    {"tcp.chunk_bytes", OptionType::kBytes, "1MiB", "largest payload of one frame: large iovs are cut into chunks of this size", 4096, 64ull << 20},
-    {"tcp.max_segments", OptionType::kUint, "256", "most iovs coalesced into one frame", 1, kMaxSegmentsPerFrame},
-    {"tcp.connect_timeout_ms", OptionType::kDurationMs, "5000", "time allowed for connecting and the handshake", 1, 600000},
-    {"tcp.user_timeout_ms", OptionType::kDurationMs, "10000", "TCP_USER_TIMEOUT: unacknowledged data for this long declares the peer dead", 100, 3600000},
-    {"tcp.sndbuf", OptionType::kBytes, "0", "SO_SNDBUF per stream (0: kernel autotuning)", 0, 1ull << 30},
-    {"tcp.rcvbuf", OptionType::kBytes, "0", "SO_RCVBUF per stream (0: kernel autotuning)", 0, 1ull << 30},
-    {"tcp.gpu_staging_bytes", OptionType::kBytes, "64MiB", "pinned host memory for staging GPU data (1 MiB slots), allocated on first GPU transfer", 2 << 20, 16ull << 30},
-    {"tcp.gpu_sm_budget", OptionType::kUint, "4", "SMs the staging copy kernel may use for small pieces (0: copy engine only)", 0, 1024},
+    {"tcp.streams", OptionType::kUint, "2",
+     "TCP connections (streams) per peer; frames are striped over them", 1, 64},
+    {"tcp.io_threads", OptionType::kUint, "2", "I/O threads (epoll loops) of the tcp transport", 1,
+     64},
+    {"tcp.chunk_bytes", OptionType::kBytes, "1MiB",
+     "largest payload of one frame: large iovs are cut into chunks of this size", 4096,
+     64ull << 20},
+    {"tcp.max_segments", OptionType::kUint, "256", "most iovs coalesced into one frame", 1,
+     kMaxSegmentsPerFrame},
+    {"tcp.connect_timeout_ms", OptionType::kDurationMs, "5000",
+     "time allowed for connecting and the handshake", 1, 600000},
+    {"tcp.user_timeout_ms", OptionType::kDurationMs, "10000",
+     "TCP_USER_TIMEOUT: unacknowledged data for this long declares the peer dead", 100, 3600000},
+    {"tcp.sndbuf", OptionType::kBytes, "0", "SO_SNDBUF per stream (0: kernel autotuning)", 0,
+     1ull << 30},
+    {"tcp.rcvbuf", OptionType::kBytes, "0", "SO_RCVBUF per stream (0: kernel autotuning)", 0,
+     1ull << 30},
+    {"tcp.gpu_staging_bytes", OptionType::kBytes, "64MiB",
+     "pinned host memory for staging GPU data (1 MiB slots), allocated on first GPU transfer",
+     2 << 20, 16ull << 30},
+    {"tcp.gpu_sm_budget", OptionType::kUint, "4",
+     "SMs the staging copy kernel may use for small pieces (0: copy engine only)", 0, 1024},
 };
 const size_t kTcpOptionSpecCount = std::size(kTcpOptionSpecs);
 
 namespace {
-std::string hex_id(uint64_t id) { return fmt::format("{:016x}", id); }
+std::string hex_id(uint64_t id) {
+  return fmt::format("{:016x}", id);
+}
 }  // namespace
 
 // ----------------------------------------------------------------- Worker ---
@@ -68,6 +82,12 @@ void Worker::adopt(const std::shared_ptr<Stream>& stream) {
     std::lock_guard lock(mu_);
     streams_[stream.get()] = stream;
   }
+  if (stream->rx == Stream::Rx::kHello) {
+    handshaking_.fetch_add(1);
+    // The loop may be asleep with no timeout: wake it to arm the check.
+    uint64_t one = 1;
+    [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
+  }
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.ptr = static_cast<EpollTag*>(stream.get());
@@ -93,8 +113,9 @@ void Worker::want_writable(Stream& s, bool on) {
 
 void Worker::run() {
   epoll_event events[64];
+  int timeout_ms = -1;
   while (!stop_.load(std::memory_order_relaxed)) {
-    const int n = epoll_wait(epfd_, events, 64, -1);
+    const int n = epoll_wait(epfd_, events, 64, timeout_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
       spdlog::error("ferry tcp: epoll_wait failed in worker {}: {}", index_, errno_text(errno));
@@ -116,6 +137,7 @@ void Worker::run() {
       if (events[i].events & EPOLLOUT) transport_.on_writable(*s);
       if (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) transport_.on_readable(*s);
     }
+    timeout_ms = handshaking_.load() ? expire_handshakes() : -1;
     // Drop closed streams only after the batch: later events may name them.
     std::lock_guard lock(mu_);
     for (auto it = streams_.begin(); it != streams_.end();) {
@@ -124,9 +146,32 @@ void Worker::run() {
   }
 }
 
+int Worker::expire_handshakes() {
+  constexpr int kCheckEveryMs = 100;
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<std::shared_ptr<Stream>> expired;
+  uint32_t waiting = 0;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [raw, s] : streams_) {
+      if (s->closed || s->rx != Stream::Rx::kHello) continue;
+      if (now >= s->hello_deadline) {
+        expired.push_back(s);
+      } else {
+        ++waiting;
+      }
+    }
+  }
+  handshaking_.store(waiting);
+  for (auto& s : expired) transport_.expire_handshake(*s);
+  return waiting ? kCheckEveryMs : -1;
+}
+
 // ------------------------------------------------------------- lifecycle ---
 
-TcpTransport::~TcpTransport() { shutdown(err::Cancelled("engine destroyed")); }
+TcpTransport::~TcpTransport() {
+  shutdown(err::Cancelled("engine destroyed"));
+}
 
 Status TcpTransport::start(const TransportContext& context) {
   ctx_ = context;
@@ -213,7 +258,9 @@ Result<GpuPath*> TcpTransport::gpu() {
   return gpu_.get();
 }
 
-Bytes TcpTransport::local_address() const { return Bytes(advertised_.begin(), advertised_.end()); }
+Bytes TcpTransport::local_address() const {
+  return Bytes(advertised_.begin(), advertised_.end());
+}
 
 std::shared_ptr<Group> TcpTransport::primary(PeerId peer) const {
   std::lock_guard lock(mu_);
@@ -256,7 +303,8 @@ Result<PeerId> TcpTransport::connect(ByteView peer_address, PeerId expected_peer
       if (group.ok()) return (*group)->peer;
       last = group.status();
       // A refusal by a live Ferry engine (version, identity) is final.
-      if (last.code() == StatusCode::kProtocolError || last.code() == StatusCode::kInvalidArgument) {
+      if (last.code() == StatusCode::kProtocolError ||
+          last.code() == StatusCode::kInvalidArgument) {
         return last;
       }
     }
@@ -265,7 +313,7 @@ Result<PeerId> TcpTransport::connect(ByteView peer_address, PeerId expected_peer
 }
 
 Result<std::shared_ptr<Group>> TcpTransport::open_group(const SocketAddress& address,
-                                                         PeerId expected_peer) {
+                                                        PeerId expected_peer) {
   auto group = std::make_shared<Group>();
   group->outgoing = true;
   group->remote = address.to_string();
@@ -282,8 +330,14 @@ Result<std::shared_ptr<Group>> TcpTransport::open_group(const SocketAddress& add
     }
     fds.push_back(*fd);
     tune_stream_socket(*fd, opt_.user_timeout, opt_.sndbuf, opt_.rcvbuf);
-    Hello hello{kHelloMagic, kProtocolVersion, static_cast<uint16_t>(i), ctx_.engine_id,
-                group->nonce, static_cast<uint16_t>(opt_.streams), 0, 0};
+    Hello hello{kHelloMagic,
+                kProtocolVersion,
+                static_cast<uint16_t>(i),
+                ctx_.engine_id,
+                group->nonce,
+                static_cast<uint16_t>(opt_.streams),
+                0,
+                0};
     HelloReply reply{};
     Status s = send_all(*fd, &hello, sizeof hello, opt_.connect_timeout);
     if (s.ok()) s = recv_all(*fd, &reply, sizeof reply, opt_.connect_timeout);
@@ -349,8 +403,8 @@ void TcpTransport::on_accept(int listen_fd) {
   for (;;) {
     sockaddr_storage from{};
     socklen_t len = sizeof from;
-    const int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&from), &len,
-                           SOCK_NONBLOCK | SOCK_CLOEXEC);
+    const int fd =
+        accept4(listen_fd, reinterpret_cast<sockaddr*>(&from), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         spdlog::warn("ferry tcp: accept failed: {}", errno_text(errno));
@@ -365,6 +419,7 @@ void TcpTransport::on_accept(int listen_fd) {
     s->fd = fd;
     s->remote = a.to_string();
     s->rx = Stream::Rx::kHello;
+    s->hello_deadline = std::chrono::steady_clock::now() + opt_.connect_timeout;
     workers_[next_worker_.fetch_add(1) % workers_.size()]->adopt(s);
   }
 }
@@ -384,8 +439,12 @@ bool TcpTransport::rx_hello(Stream& s) {
   std::memcpy(&hello, s.head, sizeof hello);
   auto refuse = [&](StatusCode code, const std::string& why) {
     spdlog::warn("ferry tcp: refusing connection from {}: {}", s.remote, why);
-    HelloReply reply{kHelloMagic, kProtocolVersion, static_cast<uint16_t>(code), ctx_.engine_id,
-                     static_cast<uint32_t>(std::min<size_t>(why.size(), kMaxHelloMessage)), 0};
+    HelloReply reply{kHelloMagic,
+                     kProtocolVersion,
+                     static_cast<uint16_t>(code),
+                     ctx_.engine_id,
+                     static_cast<uint32_t>(std::min<size_t>(why.size(), kMaxHelloMessage)),
+                     0};
     (void)send_all(s.fd, &reply, sizeof reply, std::chrono::milliseconds(100));
     (void)send_all(s.fd, why.data(), reply.message_bytes, std::chrono::milliseconds(100));
     fail_stream(s, err::ProtocolError(why));
@@ -467,8 +526,8 @@ void TcpTransport::fail_stream(Stream& s, const Status& reason) {
   std::deque<std::shared_ptr<Pending>> pending;
   {
     std::lock_guard lock(s.tx_mu);
-    if (s.dead) return;
-    s.dead = true;
+    if (s.dead.load()) return;
+    s.dead.store(true);
     frames.swap(s.txq);
     pending.swap(s.pending);
     s.deferred.clear();
@@ -476,36 +535,49 @@ void TcpTransport::fail_stream(Stream& s, const Status& reason) {
   }
   auto group = s.group.lock();
   const std::string who = peer_name(s);
-  const Status status(reason.code() == StatusCode::kProtocolError ? StatusCode::kPeerDisconnected
-                                                                  : reason.code(),
-                      fmt::format("{}: connection lost: {}", who, reason.message()));
+  const Status status(
+      reason.code() == StatusCode::kProtocolError ? StatusCode::kPeerDisconnected : reason.code(),
+      fmt::format("{}: connection lost: {}", who, reason.message()));
+  // The group goes down before any transfer fails, so a caller that sees the
+  // failure and retries at once finds the peer disconnected (not unknown).
+  const bool first = group && !group->dead.exchange(true);
+  if (first) {
+    if (reason.code() == StatusCode::kCancelled) {
+      spdlog::debug("ferry tcp: {}", status.message());  // our own shutdown
+    } else {
+      spdlog::warn("ferry tcp: {}", status.message());
+    }
+    bool was_primary = false;
+    {
+      std::lock_guard lock(mu_);
+      auto it = primary_.find(group->peer);
+      if (it != primary_.end() && it->second == group) {
+        primary_.erase(it);
+        was_primary = true;
+      }
+      groups_.erase({group->peer, group->nonce});
+    }
+    if (was_primary) ctx_.events->on_peer_down(group->peer, status);
+  }
   for (auto& f : frames) {
     if (f->started && f->transfer) f->transfer->tx_end();
   }
   for (auto& p : pending) {
     if (!p->dropped) fail_transfer(*p->transfer, status);
   }
-  if (!group) return;
-  if (group->dead.exchange(true)) return;
-  if (reason.code() == StatusCode::kCancelled) {
-    spdlog::debug("ferry tcp: {}", status.message());  // our own shutdown
-  } else {
-    spdlog::warn("ferry tcp: {}", status.message());
-  }
-  bool was_primary = false;
-  {
-    std::lock_guard lock(mu_);
-    auto it = primary_.find(group->peer);
-    if (it != primary_.end() && it->second == group) {
-      primary_.erase(it);
-      was_primary = true;
-    }
-    groups_.erase({group->peer, group->nonce});
-  }
+  if (!first) return;
   for (auto& sibling : group->streams) {
     if (sibling && sibling.get() != &s) fail_stream(*sibling, reason);
   }
-  if (was_primary) ctx_.events->on_peer_down(group->peer, status);
+}
+
+void TcpTransport::expire_handshake(Stream& s) {
+  spdlog::warn(
+      "ferry tcp: closing connection from {}: no complete handshake within {} ms "
+      "(tcp.connect_timeout_ms)",
+      s.remote, opt_.connect_timeout.count());
+  fail_stream(s, err::Timeout("handshake timed out"));
+  close_stream(s);
 }
 
 void TcpTransport::close_stream(Stream& s) {

@@ -59,9 +59,9 @@ extern const size_t kTcpOptionSpecCount;
 struct Pending {
   Op expect;
   std::shared_ptr<Transfer> transfer;
-  IovCursor read_into;     // READ: where the response payload goes
+  IovCursor read_into;  // READ: where the response payload goes
   uint64_t payload_bytes = 0;
-  bool dropped = false;    // frame never sent (transfer cancelled); guarded by tx_mu
+  bool dropped = false;  // frame never sent (transfer cancelled); guarded by tx_mu
   // READ into GPU memory: the pieces, and once the response arrives the
   // staging slot it lands in and the host→device copies that follow.
   std::vector<Piece> gpu_pieces;
@@ -72,7 +72,7 @@ struct Pending {
 struct TxFrame {
   FrameHeader header{};
   std::vector<uint8_t> aux;
-  IovCursor cursor;  // header, aux, payload
+  IovCursor cursor;                    // header, aux, payload
   std::shared_ptr<Transfer> transfer;  // frames reading the caller's memory
   std::shared_ptr<Pending> pending;    // set when a response is expected
   std::vector<RegionPin> pins;         // READ_RESPONSE payload stays registered
@@ -100,6 +100,8 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   Worker* worker = nullptr;
   std::string remote;  // address text for messages
   std::weak_ptr<Group> group;
+  // Accepted streams: the Hello must arrive by then or the stream is closed.
+  std::chrono::steady_clock::time_point hello_deadline{};
 
   // --- sending side: any thread, under tx_mu ---
   std::mutex tx_mu;
@@ -107,7 +109,7 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   std::deque<std::shared_ptr<Pending>> pending;
   std::deque<std::shared_ptr<Deferred>> deferred;
   bool want_out = false;
-  bool dead = false;
+  std::atomic<bool> dead{false};  // set under tx_mu; the worker reads it unlocked
   bool closed = false;
 
   // --- receiving side: owning worker only ---
@@ -121,7 +123,7 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   uint64_t discard_left = 0;
   std::vector<RegionPin> pins;
   Status write_verdict;
-  std::shared_ptr<Pending> reading;  // READ_RESPONSE being received
+  std::shared_ptr<Pending> reading;   // READ_RESPONSE being received
   std::unique_ptr<StagingSlot> slot;  // WRITE into GPU memory: payload lands here
   std::vector<DeviceCopy> h2d;        // ... and is copied to the device after
 };
@@ -155,6 +157,9 @@ class Worker {
 
  private:
   void run();
+  // Closes accepted streams whose Hello did not arrive in time; returns the
+  // epoll timeout until the next check (-1: nothing is handshaking).
+  int expire_handshakes();
   TcpTransport& transport_;
   const int index_;
   int epfd_ = -1;
@@ -166,6 +171,7 @@ class Worker {
   std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::unordered_map<Stream*, std::shared_ptr<Stream>> streams_;
+  std::atomic<uint32_t> handshaking_{0};  // accepted streams adopted in kHello
   std::vector<uint8_t> discard_;
 };
 
@@ -197,6 +203,8 @@ class TcpTransport final : public Transport {
   void on_writable(Stream& s);
   // Marks the stream and its group failed, fails their transfers, closes fds.
   void fail_stream(Stream& s, const Status& reason);
+  // An accepted stream sent no complete Hello within tcp.connect_timeout_ms.
+  void expire_handshake(Stream& s);
 
  private:
   Result<std::shared_ptr<Group>> open_group(const SocketAddress& address, PeerId expected_peer);
