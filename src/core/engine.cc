@@ -25,12 +25,17 @@ namespace ferry {
 namespace {
 
 constexpr size_t kMaxIovsPerCall = 1'000'000;
+// wait() spins (engine.wait_spin_us) only on transfers of at most this many bytes.
+constexpr uint64_t kSpinMaxBytes = 256 << 10;
 
 const OptionSpec kEngineOptionSpecs[] = {
     {"engine.transport", OptionType::kString, "tcp",
      "network transport used for peers (registered: tcp)"},
     {"engine.log_level", OptionType::kString, "warn",
      "log level: trace, debug, info, warn, error, off"},
+    {"engine.wait_spin_us", OptionType::kUint, "100",
+     "wait() on a transfer of up to 256 KiB spins this long before sleeping (0: sleep at once)", 0,
+     100000},
 };
 
 std::string hex_id(uint64_t id) {
@@ -74,6 +79,7 @@ class Engine::Impl : public TransportEvents {
           fmt::format("option engine.log_level: unknown level '{}'", level));
     }
     log_to_stderr();
+    wait_spin_ = std::chrono::microseconds(options_.get_uint("engine.wait_spin_us"));
     spdlog::set_level(parsed);
     if (sodium_init() < 0) return err::Internal("libsodium failed to initialise");
     // register_memory tells GPU memory from host memory (host-only without CUDA).
@@ -213,6 +219,7 @@ class Engine::Impl : public TransportEvents {
     const uint8_t wanted = op == TransferOp::kWrite ? kAccessWrite : kAccessRead;
     if (Status s = build_segments(peer, local, remote, wanted, &segments); !s.ok()) return s;
     auto t = transfers_.create(op, peer);
+    for (const Segment& seg : segments) t->bytes += seg.length;
     if (notification) {
       t->notification.assign(notification->begin(), notification->end());
       t->has_notification = true;
@@ -230,7 +237,10 @@ class Engine::Impl : public TransportEvents {
   Status wait(TransferId id, std::chrono::milliseconds timeout) {
     auto t = transfers_.find(id);
     if (!t) return unknown_transfer(id);
-    if (!t->wait_until(std::chrono::steady_clock::now() + timeout)) {
+    // Spin only where it pays: a large transfer takes far longer than a
+    // wake-up, and spinning would take a core from the I/O threads.
+    const auto spin = t->bytes <= kSpinMaxBytes ? wait_spin_ : std::chrono::microseconds(0);
+    if (!t->wait_until(std::chrono::steady_clock::now() + timeout, spin)) {
       return err::Timeout(
           fmt::format("transfer {} still in progress after {} ms", id, timeout.count()));
     }
@@ -250,6 +260,7 @@ class Engine::Impl : public TransportEvents {
   std::unique_ptr<Transport> network_;
   std::mutex peers_mu_;
   std::map<PeerId, std::string> lost_;
+  std::chrono::microseconds wait_spin_{0};
   std::set<PeerId> known_;
   std::mutex notify_mu_;
   std::condition_variable notify_cv_;

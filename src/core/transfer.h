@@ -32,8 +32,10 @@ class Transfer {
   bool finished() const { return finished_.load(std::memory_order_acquire); }
   // The final status, or InProgress.
   Status status() const;
-  // Blocks until finished or the deadline; returns finished().
-  bool wait_until(std::chrono::steady_clock::time_point deadline) const;
+  // Blocks until finished or the deadline, spinning for up to `spin` before
+  // sleeping; returns finished().
+  bool wait_until(std::chrono::steady_clock::time_point deadline,
+                  std::chrono::microseconds spin = std::chrono::microseconds(0)) const;
 
   // --- transport bookkeeping -------------------------------------------------
   // Frames (or other units) still to be answered.
@@ -41,6 +43,8 @@ class Transfer {
   // First error seen on any unit; reported when the last unit is answered.
   void note_error(const Status& s);
   Status first_error() const;
+  // Payload bytes of the batch (set by core when posting).
+  uint64_t bytes = 0;
   // Payload of a notification sent after the write completes (empty: none).
   Bytes notification;
   bool has_notification = false;

@@ -1,6 +1,15 @@
 #include "core/transfer.h"
 
 namespace ferry {
+namespace {
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+}  // namespace
 
 bool Transfer::complete(Status status) {
   {
@@ -19,7 +28,19 @@ Status Transfer::status() const {
   return status_;
 }
 
-bool Transfer::wait_until(std::chrono::steady_clock::time_point deadline) const {
+bool Transfer::wait_until(std::chrono::steady_clock::time_point deadline,
+                          std::chrono::microseconds spin) const {
+  // A short spin first: a small transfer often completes within a few tens of
+  // microseconds, less than it costs to put this thread to sleep and wake it.
+  if (spin.count() > 0) {
+    const auto spin_end = std::min(deadline, std::chrono::steady_clock::now() + spin);
+    do {
+      for (int i = 0; i < 64; ++i) {
+        if (finished_.load(std::memory_order_acquire)) return true;
+        cpu_relax();
+      }
+    } while (std::chrono::steady_clock::now() < spin_end);
+  }
   std::unique_lock lock(mu_);
   return cv_.wait_until(lock, deadline, [&] { return finished_.load(std::memory_order_relaxed); });
 }

@@ -7,6 +7,10 @@
 // to be refused by the target. Target-side OutOfRange with a genuine key
 // cannot be produced through the public API (any change of the range breaks
 // the key), so wire_test covers it with raw frames.
+#include <atomic>
+#include <deque>
+#include <thread>
+
 #include "fixture.h"
 
 namespace ferry::itest {
@@ -108,8 +112,8 @@ TEST_F(RefusalTest, OffsetOutOfRangeCheckedLocally) {
   const RemoteDescriptor& d = peer_->sub;  // 256 KiB advertised
   struct Case {
     uint64_t offset, length;
-  } cases[] = {{d.length - 10, 20},     {d.length, 1},          {d.length + 4096, 8},
-               {0, d.length + 1},       {~uint64_t{0} - 3, 8},  {8, ~uint64_t{0} - 4},
+  } cases[] = {{d.length - 10, 20}, {d.length, 1},         {d.length + 4096, 8},
+               {0, d.length + 1},   {~uint64_t{0} - 3, 8}, {8, ~uint64_t{0} - 4},
                {~uint64_t{0}, 1}};
   for (const auto& c : cases) {
     if (c.length > kSize) {
@@ -199,7 +203,8 @@ TEST_F(RefusalTest, TamperedAddressNeverRedirectsTheWrite) {
   if (s.ok()) {
     // Accepted: the bytes must be at sub's real start, nowhere else.
     EXPECT_EQ(peer_->Checksum(q, 4096), HashBytes(local_->data(), 4096));
-    EXPECT_EQ(peer_->Checksum(q + 4096, kSize - q - 4096), PatternHash(77, q + 4096, kSize - q - 4096));
+    EXPECT_EQ(peer_->Checksum(q + 4096, kSize - q - 4096),
+              PatternHash(77, q + 4096, kSize - q - 4096));
     EXPECT_EQ(peer_->Checksum(0, q), PatternHash(77, 0, q));
     ASSERT_EQ(peer_->Command("fill 77 " + std::to_string(q) + " 4096"), "OK");
   } else {
@@ -246,8 +251,11 @@ using namespace std::chrono_literals;
 // deregister_memory() has returned, no byte of a write still streaming in
 // lands in the region, and the rest of the stream is refused with NotFound.
 TEST(Revocation, DeregistrationStopsAStreamOfWrites) {
+  // A poster keeps writes in flight without pause while the target
+  // deregisters, so the deregistration always lands mid-stream, however fast
+  // the machine: writes posted after it must be refused, none may land.
   constexpr uint64_t kBlock = 16 << 20;
-  constexpr int kWrites = 48;  // 768 MiB in flight
+  constexpr size_t kInFlight = 8;
   auto peer = StartPeer({.size = kBlock, .seed = 1});
   ASSERT_TRUE(peer);
   auto engine = MakeEngine();
@@ -261,24 +269,49 @@ TEST(Revocation, DeregistrationStopsAStreamOfWrites) {
   FillPattern(3, 0, b.data(), kBlock);
   LocalIov la{a.data(), kBlock}, lb{b.data(), kBlock};
   RemoteIov r{&peer->wo, 0, kBlock};
-  std::vector<TransferId> ids;
-  for (int i = 0; i < kWrites; ++i) {
-    auto id = engine->write_async(*pid, {i % 2 ? &lb : &la, 1}, {&r, 1});
-    ASSERT_TRUE(id.ok()) << id.status().to_string();
-    ids.push_back(*id);
-  }
-  ASSERT_TRUE(engine->wait(ids[0], 60s).ok());  // the stream is flowing
-  ASSERT_EQ(peer->Command("dereg"), "OK");
-  const auto after_dereg = peer->Checksum(0, kBlock);
-  int refused = 0;
-  for (size_t i = 1; i < ids.size(); ++i) {
-    Status s = engine->wait(ids[i], 60s);
-    if (!s.ok()) {
-      EXPECT_EQ(s.code(), StatusCode::kNotFound) << "write " << i << ": " << s.to_string();
+
+  std::atomic<int> completed{0};
+  std::atomic<bool> dereg_done{false};
+  int refused = 0, refused_after_dereg_post = 0, posted_after_dereg = 0;
+  std::vector<std::string> unexpected;
+  std::thread poster([&] {
+    std::deque<std::pair<TransferId, bool>> inflight;  // id, posted after dereg
+    int i = 0;
+    const auto give_up = std::chrono::steady_clock::now() + 60s;
+    while (std::chrono::steady_clock::now() < give_up) {
+      while (inflight.size() < kInFlight) {
+        const bool after = dereg_done.load();
+        auto id = engine->write_async(*pid, {i++ % 2 ? &lb : &la, 1}, {&r, 1});
+        if (!id.ok()) {
+          unexpected.push_back("post: " + id.status().to_string());
+          return;
+        }
+        inflight.emplace_back(*id, after);
+        if (after) ++posted_after_dereg;
+      }
+      auto [id, after] = inflight.front();
+      inflight.pop_front();
+      Status s = engine->wait(id, 60s);
+      if (s.ok()) {
+        if (after) unexpected.push_back("a write posted after deregistration succeeded");
+        completed.fetch_add(1);
+        continue;
+      }
+      if (s.code() != StatusCode::kNotFound) unexpected.push_back(s.to_string());
       ++refused;
+      if (after) ++refused_after_dereg_post;
+      if (refused_after_dereg_post >= 4) break;  // seen enough
     }
-  }
-  EXPECT_GT(refused, 0) << "the whole stream finished before the deregistration";
+    for (auto& [id, after] : inflight) (void)engine->wait(id, 60s);
+  });
+  while (completed.load() < 2) std::this_thread::sleep_for(1ms);  // the stream is flowing
+  ASSERT_EQ(peer->Command("dereg"), "OK");
+  dereg_done.store(true);
+  const auto after_dereg = peer->Checksum(0, kBlock);
+  poster.join();
+  EXPECT_TRUE(unexpected.empty()) << unexpected.front();
+  EXPECT_GT(refused, 0);
+  EXPECT_GE(refused_after_dereg_post, 4) << "posted after deregistration: " << posted_after_dereg;
   EXPECT_EQ(peer->Checksum(0, kBlock), after_dereg)
       << "bytes landed in the region after deregister_memory() returned";
 }
