@@ -1,6 +1,7 @@
 // Two processes over loopback: one-sided WRITE and READ, verified byte for
 // byte against the target's real memory (through ferry_test_peer's checksum
 // command, never through Ferry itself) and against the known pattern.
+#include <csignal>
 #include <sys/sysinfo.h>
 
 #include <algorithm>
@@ -349,6 +350,43 @@ TEST_F(TransferTest, CancelLargeWrite) {
   std::memset(buf.data(), 0x5C, 1 << 20);
   LocalBuffer small(*engine_, 1 << 16);
   ExpectHealthy(small, 93);
+}
+
+TEST_F(TransferTest, CancelReturnsAtOnceWhileThePeerIsStalled) {
+  // The peer stops reading (SIGSTOP) with a frame of the write half sent:
+  // cancel() must not wait for the peer, and the caller's buffer must be free
+  // when it returns -- whatever the peer receives later is not read from it.
+  constexpr uint64_t kLen = 64 << 20;
+  ASSERT_NO_FATAL_FAILURE(Connect(kLen));
+  LocalBuffer buf(*engine_, kLen);
+  FillPattern(95, 0, buf.data(), kLen);
+  std::vector<LocalIov> l(4, LocalIov{buf.data(), kLen});
+  std::vector<RemoteIov> r(4, RemoteIov{&peer_->rw, 0, kLen});
+  peer_->process().Kill(SIGSTOP);
+  auto id = engine_->write_async(pid_, l, r);
+  ASSERT_TRUE(id.ok()) << id.status().to_string();
+  std::this_thread::sleep_for(300ms);  // socket buffers fill; a frame is part sent
+  EXPECT_EQ(engine_->test(*id).code(), StatusCode::kInProgress);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status c = engine_->cancel(*id);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_TRUE(c.ok()) << c.to_string();
+  EXPECT_LT(took, 500ms) << "cancel() waited for the stalled peer";
+  std::memset(buf.data(), 0x5C, kLen);  // the buffer is the caller's again
+  peer_->process().Kill(SIGCONT);
+  EXPECT_EQ(engine_->wait(*id, 30s).code(), StatusCode::kCancelled);
+  LocalBuffer small(*engine_, 1 << 16);
+  for (int i = 0; i < 4; ++i) ASSERT_NO_FATAL_FAILURE(ExpectHealthy(small, 110 + i));
+  // Nothing the peer received came from the buffer after cancel() returned.
+  LocalBuffer back(*engine_, kLen);
+  LocalIov bl{back.data(), kLen};
+  RemoteIov br{&peer_->rw, 0, kLen};
+  ASSERT_TRUE(engine_->read(pid_, {&bl, 1}, {&br, 1}, 30s).ok());
+  std::vector<uint8_t> poison(4096, 0x5C);
+  for (uint64_t at = 0; at + 4096 <= kLen; at += 4096) {
+    ASSERT_NE(std::memcmp(back.data() + at, poison.data(), 4096), 0)
+        << "the peer holds bytes written to the source after cancel() returned, at " << at;
+  }
 }
 
 TEST_F(TransferTest, CancelLargeReadStopsWritingLocalMemory) {

@@ -4,6 +4,7 @@
 #include <sys/uio.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace ferry::tcp {
@@ -35,6 +36,22 @@ class IovCursor {
       }
     }
     return n;
+  }
+
+  // Copies the bytes not yet consumed into `owned` and points the cursor at
+  // that copy, so the original memory is no longer referenced.
+  void detach_into(std::vector<uint8_t>* owned) {
+    owned->resize(remaining_);
+    size_t at = 0;
+    for (size_t i = index_; i < iov_.size(); ++i) {
+      const size_t skip = i == index_ ? offset_ : 0;
+      std::memcpy(owned->data() + at, static_cast<uint8_t*>(iov_[i].iov_base) + skip,
+                  iov_[i].iov_len - skip);
+      at += iov_[i].iov_len - skip;
+    }
+    const uint64_t n = remaining_;
+    clear();
+    add(owned->data(), n);
   }
 
   void advance(size_t n) {

@@ -435,8 +435,31 @@ void TcpTransport::cancel(Transfer& t) {
     std::lock_guard lock(t.io_mu);
     t.cancelled = true;
   }
-  // Frames already partly on the wire read the caller's memory until sent.
-  t.wait_tx_idle();
+  // Frames not yet started are dropped by the sender. A frame already partly
+  // on the wire must still be finished (the stream is a byte stream), and it
+  // reads the caller's memory until then, which may take long if the peer is
+  // stalled: copy its unsent rest (at most one chunk per stream) out of the
+  // caller's memory instead, so cancel() returns at once.
+  std::vector<std::shared_ptr<Group>> groups;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [key, g] : groups_) {
+      if (key.first == t.peer()) groups.push_back(g);
+    }
+  }
+  for (auto& g : groups) {
+    for (auto& sp : g->streams) {
+      if (!sp) continue;
+      std::lock_guard lock(sp->tx_mu);  // no sender is inside sendmsg now
+      if (sp->txq.empty()) continue;
+      TxFrame& f = *sp->txq.front();
+      if (!f.started || f.transfer.get() != &t) continue;
+      f.cursor.detach_into(&f.detached);
+      f.transfer->tx_end();
+      f.transfer.reset();
+    }
+  }
+  t.wait_tx_idle();  // a sender that was between frames finishes its step
 }
 
 // ------------------------------------------------------------ completion ---

@@ -542,10 +542,19 @@ void TcpTransport::fail_stream(Stream& s, const Status& reason) {
   // failure and retries at once finds the peer disconnected (not unknown).
   const bool first = group && !group->dead.exchange(true);
   if (first) {
+    size_t in_flight = pending.size();
+    for (auto& sibling : group->streams) {
+      if (!sibling || sibling.get() == &s) continue;
+      std::lock_guard lock(sibling->tx_mu);
+      in_flight += sibling->pending.size();
+    }
     if (reason.code() == StatusCode::kCancelled) {
       spdlog::debug("ferry tcp: {}", status.message());  // our own shutdown
+    } else if (in_flight == 0 && reason.code() == StatusCode::kPeerDisconnected) {
+      // A peer that went away with nothing in flight (it exited, say).
+      spdlog::info("ferry tcp: {} (no operation was in flight)", status.message());
     } else {
-      spdlog::warn("ferry tcp: {}", status.message());
+      spdlog::warn("ferry tcp: {} ({} operation(s) in flight fail)", status.message(), in_flight);
     }
     bool was_primary = false;
     {

@@ -77,6 +77,7 @@ struct TxFrame {
   std::shared_ptr<Pending> pending;    // set when a response is expected
   std::vector<RegionPin> pins;         // READ_RESPONSE payload stays registered
   std::unique_ptr<StagingSlot> slot;   // staged GPU bytes of the payload
+  std::vector<uint8_t> detached;       // unsent rest, copied out at cancel()
   bool started = false;
 };
 
