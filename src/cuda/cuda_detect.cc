@@ -105,6 +105,18 @@ Result<CudaPointerInfo> cuda_pointer_info(const void* ptr) {
 
   cudaPointerAttributes a{};
   cudaError_t e = cudaPointerGetAttributes(&a, ptr);
+  if (e == cudaSuccess && a.type == cudaMemoryTypeHost && a.devicePointer == nullptr) {
+    // The device address of pinned host memory is answered for the calling
+    // thread's current context; a thread that has made no other CUDA call
+    // has none (cudaGetDevice says 0, but nothing is bound), and the answer
+    // is NULL even for cudaHostAllocMapped memory. Bind the primary context
+    // of the thread's device (cudaSetDevice to the device it already names
+    // changes nothing else) and ask again.
+    int current = 0;
+    if (cudaGetDevice(&current) == cudaSuccess && cudaSetDevice(current) == cudaSuccess) {
+      e = cudaPointerGetAttributes(&a, ptr);
+    }
+  }
   if (e != cudaSuccess) {
     cudaGetLastError();
     return cuda::cuda_status(e, "cudaPointerGetAttributes");

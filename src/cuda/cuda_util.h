@@ -39,22 +39,33 @@ inline Status cuda_status(cudaError_t e, const char* what) {
   }
 }
 
-// Makes `device` current for the scope; restores the previous one (the
-// caller's thread may be driving another GPU).
+// Makes `device` current for the scope -- its primary context bound to this
+// thread -- and restores the caller's device afterwards (the thread may be
+// driving another GPU).
+//
+// cudaSetDevice is called even when cudaGetDevice already names `device`:
+// cudaGetDevice answers 0 on a thread that has never made a CUDA call, and
+// such a thread has no current context. Queries that answer per context then
+// come back empty -- cudaPointerGetAttributes gives devicePointer == NULL for
+// mapped pinned host memory -- which made the tcp transport's staging copies
+// (submitted from its own threads) fail with "pinned host memory not mapped
+// for the GPU". Since CUDA 12, cudaSetDevice binds the primary context at
+// once; on a thread where it is already bound it is cheap.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
+  explicit DeviceGuard(int device) : device_(device) {
     if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    if (prev_ != device) status_ = cudaSetDevice(device);
+    status_ = cudaSetDevice(device);
   }
   ~DeviceGuard() {
-    if (prev_ >= 0 && status_ == cudaSuccess) cudaSetDevice(prev_);
+    if (prev_ >= 0 && prev_ != device_ && status_ == cudaSuccess) cudaSetDevice(prev_);
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
   cudaError_t status() const { return status_; }
 
  private:
+  int device_;
   int prev_ = -1;
   cudaError_t status_ = cudaSuccess;
 };
