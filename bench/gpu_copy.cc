@@ -8,9 +8,15 @@
 //
 //   ferry-gpu-copy-bench [--json] [--total-mib N] [--reps N]
 //                        [--sizes 4096,16384,...] [--dirs h2d,d2h,d2d] [--no-kv]
+//                        [--extra] [--seq]
+//
+// --extra adds the diagnostic variants (kernel host-load policies, a
+// kernel/copy-engine mix); --seq adds, per size, the same blocks in address
+// order (not shuffled). "submit us" is the host's time inside submit().
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -43,6 +49,8 @@ struct Args {
   std::vector<uint64_t> sizes = {4096, 16384, 65536, 262144, 1048576};
   std::vector<std::string> dirs = {"H2D", "D2H"};
   bool kv = true;  // + the KV-cache page shape: 298 blocks of 1,179,648 bytes
+  bool extra = false;
+  bool seq = false;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -65,6 +73,10 @@ bool parse(int argc, char** argv, Args* a) {
       a->json = true;
     } else if (k == "--no-kv") {
       a->kv = false;
+    } else if (k == "--extra") {
+      a->extra = true;
+    } else if (k == "--seq") {
+      a->seq = true;
     } else if (k == "--total-mib") {
       const char* v = next();
       if (v == nullptr) return false;
@@ -108,6 +120,7 @@ struct Method {
   ferry::CopyOptions opts;
   ferry::CopyStream* fs = nullptr;  // Ferry variants only
   std::vector<double> gbps;
+  std::vector<double> submit_us;  // host time inside submit(), Ferry variants only
 };
 
 double median(std::vector<double> v) {
@@ -123,7 +136,7 @@ int main(int argc, char** argv) {
   if (!parse(argc, argv, &args)) {
     std::fprintf(stderr,
                  "usage: %s [--json] [--total-mib N] [--reps N] [--sizes a,b,..] "
-                 "[--dirs h2d,d2h,d2d] [--no-kv]\n",
+                 "[--dirs h2d,d2h,d2d] [--no-kv] [--extra] [--seq]\n",
                  argv[0]);
     return 2;
   }
@@ -195,16 +208,25 @@ int main(int argc, char** argv) {
   for (int b : {4, 8, 16, 32}) add_ferry("ferry-sm" + std::to_string(b), b, 0);  // sm8: index 2
   add_ferry("ferry-kernel-only", 16, UINT64_MAX);
   add_ferry("ferry-engine-only", 0, 0);
-  // Host-load variants of the kernel and a kernel/copy-engine mix.
-  add_ferry("ferry-sm8-cs", 8, 0, "FERRY_GATHER_HOST_LOAD", "cs");
-  add_ferry("ferry-sm8-pf256", 8, 0, "FERRY_GATHER_HOST_LOAD", "pf256");
-  add_ferry("ferry-kernel-pf256", 16, UINT64_MAX, "FERRY_GATHER_HOST_LOAD", "pf256");
-  add_ferry("ferry-mix-ce4", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_CE_EVERY", "4");
+  // The launch schedule before 2026-11-23 (first slice 1024, 4x growth).
+  add_ferry("ferry-slices-1024x4", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_SLICES",
+            "1024,4,32768");
+  if (args.extra) {
+    add_ferry("ferry-slices-128x2", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_SLICES",
+              "128,2,32768");
+    add_ferry("ferry-slices-256x2-max8k", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_SLICES",
+              "256,2,8192");
+    // Host-load variants of the kernel and a kernel/copy-engine mix.
+    add_ferry("ferry-sm8-cs", 8, 0, "FERRY_GATHER_HOST_LOAD", "cs");
+    add_ferry("ferry-sm8-pf256", 8, 0, "FERRY_GATHER_HOST_LOAD", "pf256");
+    add_ferry("ferry-mix-ce4", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_CE_EVERY", "4");
+  }
 
   // Workloads.
   std::vector<Workload> work;
   std::mt19937_64 rng(42);
-  auto make = [&](const std::string& dir, const std::string& name, uint64_t bs, size_t n) {
+  auto make = [&](const std::string& dir, const std::string& name, uint64_t bs, size_t n,
+                  bool shuffled = true) {
     Workload w;
     w.dir = dir;
     w.name = name;
@@ -215,8 +237,10 @@ int main(int argc, char** argv) {
     std::vector<size_t> sp(n), dp(n);
     std::iota(sp.begin(), sp.end(), 0);
     std::iota(dp.begin(), dp.end(), 0);
-    std::shuffle(sp.begin(), sp.end(), rng);
-    std::shuffle(dp.begin(), dp.end(), rng);
+    if (shuffled) {
+      std::shuffle(sp.begin(), sp.end(), rng);
+      std::shuffle(dp.begin(), dp.end(), rng);
+    }
     for (size_t i = 0; i < n; ++i) w.blocks.push_back({dst + dp[i] * bs, src + sp[i] * bs, bs});
     w.contig_dst = dst;
     w.contig_src = src;
@@ -224,9 +248,10 @@ int main(int argc, char** argv) {
   };
   for (const std::string& dir : args.dirs) {
     for (uint64_t bs : args.sizes) {
-      make(dir,
-           std::to_string(bs >= 1048576 ? bs >> 20 : bs >> 10) + (bs >= 1048576 ? "MiB" : "KiB"),
-           bs, args.total / bs);
+      const std::string name =
+          std::to_string(bs >= 1048576 ? bs >> 20 : bs >> 10) + (bs >= 1048576 ? "MiB" : "KiB");
+      make(dir, name, bs, args.total / bs);
+      if (args.seq) make(dir, name + "-seq", bs, args.total / bs, false);
     }
     if (args.kv) make(dir, "kv-1152KiB", kv_block, kv_count);
   }
@@ -297,7 +322,11 @@ int main(int argc, char** argv) {
       auto fs_stream = static_cast<cudaStream_t>(m.fs->native_stream());
       uint64_t ticket = 0;
       double g = timed(fs_stream, [&] {
+        const auto h0 = std::chrono::steady_clock::now();
         auto t = m.fs->submit(w.blocks);
+        m.submit_us.push_back(
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0)
+                .count());
         if (!t.ok()) {
           std::fprintf(stderr, "%s: submit: %s\n", m.name.c_str(), t.status().to_string().c_str());
           std::exit(1);
@@ -353,6 +382,7 @@ int main(int argc, char** argv) {
       m.gbps.clear();
       verify(m);
     }
+    for (Method& m : ferry_methods) m.submit_us.clear();
     // Warm-up, then repetitions with the methods alternating.
     for (int r = 0; r < 3; ++r) run_ref(r);
     for (Method& m : ferry_methods) run_ferry(m);
@@ -373,14 +403,16 @@ int main(int argc, char** argv) {
                  batch = median(refs[2].gbps);
     std::printf("\n%s %s x %zu (%.1f MiB)\n", w.dir.c_str(), w.name.c_str(), w.count,
                 bytes / 1048576.0);
-    std::printf("  %-20s %9s %12s %12s\n", "method", "GB/s", "vs contig", "vs batch");
+    std::printf("  %-24s %9s %12s %12s %11s\n", "method", "GB/s", "vs contig", "vs batch",
+                "submit us");
     for (const Method& m : refs) {
       const double g = median(m.gbps);
-      std::printf("  %-20s %9.2f %12.3f %12.3f\n", m.name.c_str(), g, g / contig, g / batch);
+      std::printf("  %-24s %9.2f %12.3f %12.3f\n", m.name.c_str(), g, g / contig, g / batch);
     }
     for (const Method& m : ferry_methods) {
       const double g = median(m.gbps);
-      std::printf("  %-20s %9.2f %12.3f %12.3f\n", m.name.c_str(), g, g / contig, g / batch);
+      std::printf("  %-24s %9.2f %12.3f %12.3f %11.1f\n", m.name.c_str(), g, g / contig, g / batch,
+                  median(m.submit_us));
     }
     if (args.json) {
       auto emit = [&](const Method& m) {
@@ -389,17 +421,18 @@ int main(int argc, char** argv) {
             "{\"bench\":\"gpu_copy\",\"gpu\":\"%s\",\"date\":\"%s\",\"dir\":\"%s\","
             "\"workload\":\"%s\",\"block\":%llu,\"blocks\":%zu,\"bytes\":%llu,\"method\":\"%s\","
             "\"sm_budget\":%d,\"gbps\":%.3f,\"contiguous_gbps\":%.3f,\"loop_gbps\":%.3f,"
-            "\"batch_gbps\":%.3f,\"ratio_vs_contiguous\":%.4f,\"reps\":%d}\n",
+            "\"batch_gbps\":%.3f,\"ratio_vs_contiguous\":%.4f,\"submit_us\":%.1f,"
+            "\"reps\":%d}\n",
             prop.name, date, w.dir.c_str(), w.name.c_str(),
             static_cast<unsigned long long>(w.block), w.count,
             static_cast<unsigned long long>(bytes), m.name.c_str(), m.sm_budget, g, contig, loop,
-            batch, g / contig, args.reps);
+            batch, g / contig, median(m.submit_us), args.reps);
       };
       for (const Method& m : refs) emit(m);
       for (const Method& m : ferry_methods) emit(m);
     }
     // The floors (H2D/D2H only).
-    if (w.dir != "D2D") {
+    if (w.dir != "D2D" && w.name.find("-seq") == std::string::npos) {
       const double f = median(ferry_methods[0].gbps) / contig;
       const bool ok = f >= 0.90;
       floors_ok &= ok;

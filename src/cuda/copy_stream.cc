@@ -7,7 +7,8 @@
 // that the kernel reads (no separate descriptor upload). A large batch is
 // launched in geometrically growing slices while the host still classifies
 // the rest, so the GPU starts within microseconds instead of after the whole
-// batch has been walked.
+// batch has been walked, and -- the slices growing by less than the GPU's
+// time per block over the host's -- never waits for the host after that.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -38,10 +39,21 @@ using cuda::cuda_status;
 // Kernel work item: larger kernel-path blocks are split so that warps share
 // the work of a few big blocks.
 constexpr uint64_t kChunk = 16 * 1024;
-// Descriptors in the first launched slice of a batch; each next slice is 4x
-// larger up to kMaxSlice, so a batch costs a handful of launches.
-constexpr uint32_t kFirstSlice = 1024;
+// Launch schedule of a large batch: the first slice has kFirstSlice
+// descriptors, each next one kSliceGrowth times more, up to kMaxSlice. The
+// host classifies a block in ~25 ns; the GPU copies a 4 KiB block over PCIe
+// in ~75 ns. While the GPU runs slice k the host must classify slice k+1, so
+// growth must stay below ~3: with 4x (the old schedule, from 1024) the GPU
+// idled ~150 us of a 5 ms copy waiting for slices 2 and 3. 2x keeps the GPU
+// fed from the first slice on; a small first slice starts it after ~6 us.
+constexpr uint32_t kFirstSlice = 256;
+constexpr uint32_t kSliceGrowth = 2;
 constexpr uint32_t kMaxSlice = 1u << 15;
+// Batches up to this many blocks are scanned once before anything is
+// enqueued, to learn whether they mix both paths (the copy engine then runs
+// on a forked stream). Larger ones skip the scan -- it would delay the first
+// launch by ~0.4 ns per block -- and always fork.
+constexpr size_t kPrescanMax = 4096;
 // Each launch's descriptors start on a fresh 384-byte (3 x 128 B) boundary,
 // so the host never writes a cache line that an earlier, running kernel reads.
 constexpr size_t kDescAlign = 16;
@@ -51,9 +63,13 @@ constexpr size_t kMaxPending = 1024;
 // Diagnostic knobs, read when a stream is created (docs/gpu.md):
 //   FERRY_GATHER_HOST_LOAD = cv | cs | pf256   how the kernel reads host memory
 //   FERRY_GATHER_CE_EVERY  = n                 every n-th kernel block to the copy engine
+//   FERRY_GATHER_SLICES    = first,growth,max  launch schedule of a large batch
 struct Knobs {
   cuda::GatherConfig gather;
   uint32_t ce_every = 0;
+  uint32_t first_slice = kFirstSlice;
+  uint32_t slice_growth = kSliceGrowth;
+  uint32_t max_slice = kMaxSlice;
 };
 
 Result<Knobs> read_knobs() {
@@ -78,6 +94,18 @@ Result<Knobs> read_knobs() {
                                   ": expected a count (0 = off)");
     }
     k.ce_every = static_cast<uint32_t>(n);
+  }
+  if (const char* v = std::getenv("FERRY_GATHER_SLICES"); v != nullptr && *v != 0) {
+    unsigned first = 0, growth = 0, max = 0;
+    char extra = 0;
+    if (std::sscanf(v, "%u,%u,%u%c", &first, &growth, &max, &extra) != 3 || first == 0 ||
+        growth == 0 || growth > 64 || max < first || max > (1u << 24)) {
+      return err::InvalidArgument(std::string("FERRY_GATHER_SLICES=") + v +
+                                  ": expected first,growth,max (e.g. 256,2,32768)");
+    }
+    k.first_slice = first;
+    k.slice_growth = growth;
+    k.max_slice = max;
   }
   return k;
 }
@@ -168,7 +196,7 @@ struct CopyStream::Impl {
   struct Pending {
     uint64_t ticket;
     cudaEvent_t ev;
-    Staging staging;
+    std::vector<Staging> staging;  // descriptor buffers the batch's kernels read
   };
   std::deque<Pending> pending;
   std::vector<cudaEvent_t> free_events;
@@ -185,7 +213,7 @@ struct CopyStream::Impl {
     if (ce_stream != nullptr) cudaStreamSynchronize(ce_stream);
     for (auto& p : pending) {
       cudaEventDestroy(p.ev);
-      if (p.staging.host != nullptr) cudaFreeHost(p.staging.host);
+      for (auto& s : p.staging) cudaFreeHost(s.host);
     }
     for (auto e : free_events) cudaEventDestroy(e);
     for (auto& s : free_staging) cudaFreeHost(s.host);
@@ -232,7 +260,7 @@ struct CopyStream::Impl {
       }
       done_through = p.ticket;
       free_events.push_back(p.ev);
-      if (p.staging.host != nullptr) release_staging(p.staging);
+      for (auto& s : p.staging) release_staging(s);
       pending.pop_front();
     }
     return Status::Ok();
@@ -313,39 +341,45 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
 
   const uint32_t budget = std::min(o.sm_budget, sm_count);
   const uint64_t kmax = budget == 0 ? 0 : o.kernel_max_block;
-  // Pass 1 (sizes only): an upper bound on kernel descriptors, and whether
-  // the batch mixes both paths (then the copy engine runs on its own stream,
-  // concurrently with the kernel).
-  size_t max_descs = 0;
-  bool any_ce = false;
-  for (const CopyBlock& b : blocks) {
-    if (b.size == 0) continue;
-    if (b.size < kmax) {
-      max_descs += (b.size + kChunk - 1) / kChunk;
-    } else {
-      any_ce = true;
+  // Does the batch mix both paths? Then the copy engine runs on its own
+  // stream, concurrently with the kernel. Small batches are scanned (sizes
+  // only); large ones, where a scan would delay the first launch, always
+  // fork when the kernel may be used.
+  bool fork = false;
+  size_t first_estimate = 0;  // descriptors, to size the first staging buffer
+  if (kmax > 0 && blocks.size() <= kPrescanMax) {
+    bool any_ce = false;
+    for (const CopyBlock& b : blocks) {
+      if (b.size == 0) continue;
+      if (b.size < kmax) {
+        first_estimate += (b.size + kChunk - 1) / kChunk;
+      } else {
+        any_ce = true;
+      }
     }
+    fork = any_ce && first_estimate > 0;
+  } else if (kmax > 0) {
+    fork = true;
+    first_estimate = blocks.size();  // exact when every block is at most kChunk
   }
 
+  // Descriptor staging: one buffer normally; when a batch has more
+  // descriptors than estimated, the pending ones are launched and a further
+  // buffer is taken. `staging` is the one being filled, `filled` the earlier
+  // ones (still read by launched kernels).
   Staging staging;
-  if (max_descs > 0) {
-    // Room for the alignment padding of every launch (slices grow up to
-    // kMaxSlice, so there are at most ~16 + max_descs / kMaxSlice of them).
-    max_descs += kDescAlign * (16 + max_descs / kMaxSlice + 1);
-    Result<Staging> r = acquire_staging(max_descs);
-    if (!r.ok()) return r.status();
-    staging = r.value();
-  }
-  // Returns the staging buffer on every early exit below.
+  std::vector<Staging> filled;
+  // Returns the staging buffers on every early exit below.
   struct StagingReturn {
     Impl* self;
     Staging* s;
+    std::vector<Staging>* f;
     ~StagingReturn() {
       if (s->host != nullptr) self->release_staging(*s);
+      for (auto& x : *f) self->release_staging(x);
     }
-  } staging_return{this, &staging};
+  } staging_return{this, &staging, &filled};
 
-  const bool fork = max_descs > 0 && any_ce;
   if (fork) {
     cudaError_t e = cudaEventRecord(fork_ev, stream);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(ce_stream, fork_ev, 0);
@@ -356,13 +390,14 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
   ce_src.clear();
   ce_size.clear();
   Classifier cls;
-  size_t nd = 0;        // descriptors written
-  size_t launched = 0;  // descriptors already launched
-  size_t slice = kFirstSlice;
+  size_t nd = 0;        // descriptors written into `staging`
+  size_t launched = 0;  // of those, already launched
+  size_t slice = knobs.first_slice;
   uint64_t kernel_blocks = 0;
   uint64_t launches = 0;
   uint64_t ce_tick = 0;
   uint32_t max_ctas = 0;
+  size_t blocks_left = blocks.size();
 
   auto launch_pending = [&]() -> Status {
     if (nd == launched) return Status::Ok();
@@ -374,14 +409,32 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
       cudaGetLastError();
       return cuda_status(e, "launching the gather kernel");
     }
-    nd = (nd + kDescAlign - 1) / kDescAlign * kDescAlign;
+    // The next launch starts on a fresh 384-byte boundary (see kDescAlign).
+    nd = std::min((nd + kDescAlign - 1) / kDescAlign * kDescAlign, staging.cap);
     launched = nd;
     ++launches;
     max_ctas = std::max(max_ctas, ctas);
     return Status::Ok();
   };
+  // Makes room for `need` more descriptors in `staging`.
+  auto reserve = [&](size_t need) -> Status {
+    if (staging.host != nullptr && nd + need <= staging.cap) return Status::Ok();
+    if (Status s = launch_pending(); !s.ok()) return s;
+    if (staging.host != nullptr) filled.push_back(staging);
+    staging = Staging{};
+    // Room for the rest of the batch at one descriptor per block, the
+    // alignment padding of every launch, and at least this block.
+    const size_t want = std::max(first_estimate > 0 ? first_estimate : blocks_left, need) +
+                        kDescAlign * (24 + blocks_left / std::max<size_t>(knobs.max_slice, 1));
+    first_estimate = 0;
+    Result<Staging> r = acquire_staging(want);
+    if (!r.ok()) return r.status();
+    staging = r.value();
+    nd = launched = 0;
+    return Status::Ok();
+  };
 
-  for (size_t i = 0; i < blocks.size(); ++i) {
+  for (size_t i = 0; i < blocks.size(); ++i, --blocks_left) {
     const CopyBlock& b = blocks[i];
     if (b.size == 0) continue;
     if (b.dst == nullptr || b.src == nullptr) {
@@ -436,6 +489,8 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
       ce_size.push_back(b.size);
       continue;
     }
+    const size_t need = (b.size + kChunk - 1) / kChunk;
+    if (Status s = reserve(need); !s.ok()) return abandon(s);
     ++kernel_blocks;
     const uint64_t flag = src_host ? cuda::kSrcIsHost : 0;
     for (uint64_t off = 0; off < b.size; off += kChunk) {
@@ -444,7 +499,7 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
     }
     if (nd - launched >= slice) {
       if (Status s = launch_pending(); !s.ok()) return abandon(s);
-      slice = std::min<size_t>(slice * 4, kMaxSlice);
+      slice = std::min<size_t>(slice * knobs.slice_growth, knobs.max_slice);
     }
   }
   if (Status s = launch_pending(); !s.ok()) return abandon(s);
@@ -468,10 +523,14 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
     return abandon(cuda_status(e, "cudaEventRecord"));
   }
   const uint64_t ticket = ++last_ticket;
-  pending.push_back(Pending{ticket, ev.value(), nd > 0 ? staging : Staging{}});
-  if (nd > 0) {
-    staging = Staging{};  // now owned by the pending entry
+  // The staging buffers now belong to the pending entry (returned once the
+  // ticket completes); an unused one goes back to the free list at once.
+  if (staging.host != nullptr && nd > 0) {
+    filled.push_back(staging);
+    staging = Staging{};
   }
+  pending.push_back(Pending{ticket, ev.value(), std::move(filled)});
+  filled.clear();
   ++st.batches;
   st.kernel_blocks += kernel_blocks;
   st.engine_blocks += ce_size.size();

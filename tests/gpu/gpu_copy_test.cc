@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/cuda_detect.h"
@@ -281,6 +282,141 @@ TEST_F(GpuTest, RewrittenHostMemoryIsCopiedFresh) {
     for (size_t i = 0; i < kBytes; i += 509) {
       ASSERT_EQ(host.data()[i], 0x30 + round) << "D2H byte " << i;
     }
+  }
+}
+
+// The tcp transport submits from its own threads, which have made no CUDA
+// call before (no current context). Pinned memory allocated the way its
+// staging pool does it (cudaHostAllocMapped | cudaHostAllocPortable) must
+// still be classified as mapped there: it used to come back as "pinned host
+// memory not mapped for the GPU" for every block below kernel_max_block.
+TEST_F(GpuTest, SubmitFromAThreadThatHasNoContext) {
+  Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, CopyOptions{});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  CopyStream& cs = *r.value();
+  constexpr size_t kBlocks = 512, kBlock = 4096, kBytes = kBlocks * kBlock;
+  uint8_t* staging = nullptr;
+  FERRY_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&staging), kBytes,
+                              cudaHostAllocMapped | cudaHostAllocPortable));
+  Buffer dev(Mem::kDevice, kBytes);
+  std::vector<uint8_t> data(kBytes), got(kBytes);
+  std::mt19937_64 rng(7);
+  for (auto& x : data) x = static_cast<uint8_t>(rng());
+  std::vector<size_t> perm(kBlocks);
+  for (size_t i = 0; i < kBlocks; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<CopyBlock> h2d, d2h;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    h2d.push_back({dev.data() + perm[i] * kBlock, staging + i * kBlock, kBlock});
+    d2h.push_back({staging + i * kBlock, dev.data() + perm[i] * kBlock, kBlock});
+  }
+  std::string raw, info_error, h2d_error, d2h_error;
+  uint64_t info_address = 0;
+  std::memcpy(staging, data.data(), kBytes);
+  FERRY_CUDA_OK(cudaMemset(dev.data(), 0xEE, kBytes));
+  FERRY_CUDA_OK(cudaDeviceSynchronize());
+  std::thread([&] {
+    // What the runtime itself answers on this thread (diagnostic, printed).
+    cudaPointerAttributes a{};
+    const cudaError_t e = cudaPointerGetAttributes(&a, staging);
+    raw = std::string(cudaGetErrorName(e)) + " type " + std::to_string(a.type) + " devicePointer " +
+          (a.devicePointer != nullptr ? "set" : "NULL");
+    Result<CudaPointerInfo> info = cuda_pointer_info(staging);
+    if (!info.ok()) {
+      info_error = info.status().to_string();
+    } else {
+      info_address = info->device_address;
+    }
+    Result<uint64_t> t = cs.submit(h2d);
+    Status s = t.ok() ? cs.wait(t.value(), kWait) : t.status();
+    if (!s.ok()) h2d_error = s.to_string();
+  }).join();
+  std::printf("[ info ] cudaPointerGetAttributes on a fresh thread: %s\n", raw.c_str());
+  ASSERT_EQ(info_error, "");
+  EXPECT_EQ(info_address, reinterpret_cast<uint64_t>(staging)) << "device address of mapped memory";
+  ASSERT_EQ(h2d_error, "") << "H2D submitted from a thread without a context";
+  dev.download(got.data());
+  for (size_t i = 0; i < kBlocks; ++i) {
+    ASSERT_EQ(0, std::memcmp(got.data() + perm[i] * kBlock, data.data() + i * kBlock, kBlock))
+        << "H2D block " << i;
+  }
+  std::memset(staging, 0xEE, kBytes);
+  std::thread([&] {
+    Result<uint64_t> t = cs.submit(d2h);
+    Status s = t.ok() ? cs.wait(t.value(), kWait) : t.status();
+    if (!s.ok()) d2h_error = s.to_string();
+  }).join();
+  ASSERT_EQ(d2h_error, "") << "D2H submitted from a thread without a context";
+  EXPECT_EQ(0, std::memcmp(staging, data.data(), kBytes)) << "D2H bytes differ";
+  FERRY_CUDA_OK(cudaFreeHost(staging));
+}
+
+// Batches larger than the pre-scan limit, whose kernel descriptors outgrow
+// the first staging buffer (blocks of several 16 KiB descriptors) and which
+// mix both paths: random data, poisoned destination, every byte compared.
+TEST_F(GpuTest, LargeBatchesSpanSeveralStagingBuffers) {
+  for (uint32_t budget : {16u, 3u}) {
+    CopyOptions o;
+    o.sm_budget = budget;
+    Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, o);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    CopyStream& cs = *r.value();
+    // 6000 blocks: mostly 20 KiB + 3 (2 descriptors each), every 97th 600 KiB
+    // (copy engine), every 7th 4 KiB - 1; packed with random gaps.
+    constexpr size_t kBlocks = 6000;
+    std::mt19937_64 rng(1234 + budget);
+    std::vector<uint64_t> sizes(kBlocks), offs(kBlocks);
+    uint64_t total = 0;
+    for (size_t i = 0; i < kBlocks; ++i) {
+      sizes[i] = i % 97 == 0 ? 600u << 10 : i % 7 == 0 ? 4095 : (20u << 10) + 3;
+      offs[i] = total + rng() % 64;
+      total = offs[i] + sizes[i];
+    }
+    for (bool h2d : {true, false}) {
+      SCOPED_TRACE(std::string(h2d ? "H2D" : "D2H") + " budget " + std::to_string(budget));
+      Buffer host(Mem::kPinned, total), dev(Mem::kDevice, total);
+      ASSERT_TRUE(host.ok() && dev.ok());
+      std::vector<uint8_t> data(total), got(total);
+      for (size_t i = 0; i < total; i += 8) {
+        const uint64_t v = rng();
+        std::memcpy(data.data() + i, &v, std::min<size_t>(8, total - i));
+      }
+      std::vector<size_t> perm(kBlocks);
+      for (size_t i = 0; i < kBlocks; ++i) perm[i] = i;
+      std::shuffle(perm.begin(), perm.end(), rng);
+      // Same offsets on both sides, blocks submitted in shuffled order.
+      std::vector<CopyBlock> blocks;
+      for (size_t k = 0; k < kBlocks; ++k) {
+        const size_t i = perm[k];
+        uint8_t* d = (h2d ? dev.data() : host.data()) + offs[i];
+        uint8_t* s = (h2d ? host.data() : dev.data()) + offs[i];
+        blocks.push_back({d, s, sizes[i]});
+      }
+      std::vector<uint8_t> poisoned(total);
+      for (size_t i = 0; i < total; ++i) poisoned[i] = poison(i);
+      if (h2d) {
+        host.upload(data.data());
+        dev.upload(poisoned.data());
+      } else {
+        dev.upload(data.data());
+        host.upload(poisoned.data());
+      }
+      FERRY_CUDA_OK(cudaDeviceSynchronize());
+      Result<uint64_t> t = cs.submit(blocks);
+      ASSERT_TRUE(t.ok()) << t.status().to_string();
+      ASSERT_TRUE(cs.wait(t.value(), kWait).ok());
+      (h2d ? dev : host).download(got.data());
+      std::vector<uint8_t> want = poisoned;
+      for (size_t i = 0; i < kBlocks; ++i) {
+        std::memcpy(want.data() + offs[i], data.data() + offs[i], sizes[i]);
+      }
+      size_t bad = 0;
+      for (size_t i = 0; i < total; ++i) bad += got[i] != want[i];
+      ASSERT_EQ(bad, 0u) << "bytes differ (copied or untouched)";
+    }
+    const CopyStreamStats st = cs.stats();
+    EXPECT_GT(st.kernel_launches, 2u);
+    EXPECT_GT(st.engine_blocks, 0u);
   }
 }
 
