@@ -31,10 +31,10 @@ struct EngineConfig {
 
 // One line of `ferry-info --config`: an option with its effective value.
 struct OptionInfo {
-  std::string name;     // "tcp.streams"
-  std::string type;     // "uint", "bytes", "bool", "string", "duration_ms"
-  std::string value;    // effective value
-  std::string source;   // "default", "environment FERRY_TCP_STREAMS", "config"
+  std::string name;    // "tcp.streams"
+  std::string type;    // "uint", "bytes", "bool", "string", "duration_ms"
+  std::string value;   // effective value
+  std::string source;  // "default", "environment FERRY_TCP_STREAMS", "config"
   std::string doc;
 };
 
@@ -61,6 +61,9 @@ class Engine {
   Result<PeerId> connect(std::string_view host_port);
   // Peers that connected to us or that we connected to, alive now.
   std::vector<PeerId> peers() const;
+  // The network address ("ip:port") of a connected peer's side of the
+  // connection; NotFound when the peer is not connected.
+  Result<std::string> peer_address(PeerId peer) const;
 
   // --- memory --------------------------------------------------------------
   Result<MemoryRegion> register_memory(void* address, uint64_t length);

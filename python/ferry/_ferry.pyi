@@ -272,6 +272,9 @@ class Engine:
     def peers(self) -> list[int]:
         """Ids of the peers connected now (either direction)."""
 
+    def peer_address(self, peer_id: int) -> str:
+        """The connected peer's 'ip:port' on its side of the connection (NotFound if not connected)."""
+
     def peer(self, peer_id: int) -> Peer:
         """A Peer handle for a known peer id."""
 

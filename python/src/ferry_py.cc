@@ -65,8 +65,8 @@ PyObject* g_error_classes[kNumCodes] = {};
   throw StatusError(code, std::move(message));
 }
 [[noreturn]] void raise(const ferry::Status& s) {
-  throw StatusError(s.code(), s.message().empty() ? std::string(ferry::status_code_name(s.code()))
-                                                  : s.message());
+  throw StatusError(
+      s.code(), s.message().empty() ? std::string(ferry::status_code_name(s.code())) : s.message());
 }
 void check(const ferry::Status& s) {
   if (!s.ok()) raise(s);
@@ -82,8 +82,8 @@ void translate_status_error(const std::exception_ptr& p, void*) {
     std::rethrow_exception(p);
   } catch (const StatusError& e) {
     const int c = static_cast<int>(e.code);
-    PyObject* cls = (c >= 0 && c < kNumCodes && g_error_classes[c]) ? g_error_classes[c]
-                                                                    : PyExc_RuntimeError;
+    PyObject* cls =
+        (c >= 0 && c < kNumCodes && g_error_classes[c]) ? g_error_classes[c] : PyExc_RuntimeError;
     PyErr_SetString(cls, e.message.c_str());
   }
 }
@@ -105,7 +105,9 @@ auto without_gil(F&& f) {
   return f();
 }
 
-std::string tname(nb::handle h) { return nb::type_name(h.type()).c_str(); }
+std::string tname(nb::handle h) {
+  return nb::type_name(h.type()).c_str();
+}
 
 milliseconds to_ms(double seconds) {
   if (!(seconds >= 0)) raise(StatusCode::kInvalidArgument, "timeout must be >= 0 seconds");
@@ -172,17 +174,16 @@ uint64_t as_u64(nb::handle h, const char* what) {
     nb::object i = nb::steal(PyNumber_Index(h.ptr()));
     if (!i.is_valid()) {
       PyErr_Clear();
-      raise(StatusCode::kInvalidArgument,
-            std::string(what) + " must be an int, got " + tname(h));
+      raise(StatusCode::kInvalidArgument, std::string(what) + " must be an int, got " + tname(h));
     }
     return as_u64(i, what);
   }
   const unsigned long long v = PyLong_AsUnsignedLongLong(h.ptr());
   if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
     PyErr_Clear();
-    raise(StatusCode::kInvalidArgument,
-          std::string(what) + " must be a non-negative int below 2**64, got " +
-              nb::repr(h).c_str());
+    raise(
+        StatusCode::kInvalidArgument,
+        std::string(what) + " must be a non-negative int below 2**64, got " + nb::repr(h).c_str());
   }
   return v;
 }
@@ -199,7 +200,8 @@ BufferRef from_dlpack(nb::handle obj) {
   }
   nb::object cap = obj.attr("__dlpack__")();
   PyObject* c = cap.ptr();
-  if (!PyCapsule_CheckExact(c)) raise(StatusCode::kInvalidArgument, "__dlpack__() did not return a capsule");
+  if (!PyCapsule_CheckExact(c))
+    raise(StatusCode::kInvalidArgument, "__dlpack__() did not return a capsule");
   const char* name = PyCapsule_GetName(c);
   DLTensor* t = nullptr;
   bool ro = false;
@@ -216,16 +218,16 @@ BufferRef from_dlpack(nb::handle obj) {
     t = &m->dl_tensor;
     ro = (m->flags & kFlagReadOnly) != 0;
   } else {
-    raise(StatusCode::kInvalidArgument,
-          std::string("__dlpack__() returned a capsule named '") + (name ? name : "") +
-              "' (already consumed?)");
+    raise(StatusCode::kInvalidArgument, std::string("__dlpack__() returned a capsule named '") +
+                                            (name ? name : "") + "' (already consumed?)");
   }
   const uint64_t elem_bits = uint64_t(t->dtype.bits) * std::max<uint16_t>(t->dtype.lanes, 1);
   if (elem_bits % 8 != 0)
     raise(StatusCode::kNotSupported, "DLPack tensors of sub-byte elements are not supported");
   uint64_t elems = 1;
   for (int d = 0; d < t->ndim; ++d) {
-    if (t->shape[d] < 0) raise(StatusCode::kInvalidArgument, "DLPack tensor with a negative dimension");
+    if (t->shape[d] < 0)
+      raise(StatusCode::kInvalidArgument, "DLPack tensor with a negative dimension");
     elems *= uint64_t(t->shape[d]);
   }
   if (t->strides && elems > 1) {
@@ -265,9 +267,8 @@ BufferRef acquire(nb::handle obj, bool need_writable) {
       PyErr_Clear();
       if (PyObject_GetBuffer(o, &b.view, PyBUF_ANY_CONTIGUOUS) != 0) {
         nb::python_error e;
-        raise(StatusCode::kInvalidArgument,
-              "cannot use the memory of " + tname(obj) + ": " + e.what() +
-                  " (a contiguous buffer is required)");
+        raise(StatusCode::kInvalidArgument, "cannot use the memory of " + tname(obj) + ": " +
+                                                e.what() + " (a contiguous buffer is required)");
       }
       b.has_view = true;
       b.readonly = true;
@@ -287,7 +288,8 @@ BufferRef acquire(nb::handle obj, bool need_writable) {
     }
     BufferRef b;
     b.source = "data_ptr";
-    b.ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(as_u64(obj.attr("data_ptr")(), "data_ptr()")));
+    b.ptr = reinterpret_cast<void*>(
+        static_cast<uintptr_t>(as_u64(obj.attr("data_ptr")(), "data_ptr()")));
     nb::object nbytes = obj.attr("nbytes");
     if (PyCallable_Check(nbytes.ptr())) nbytes = nbytes();
     b.size = as_u64(nbytes, "nbytes");
@@ -314,12 +316,14 @@ uint8_t parse_access(nb::handle h, bool readonly_default) {
     std::string s = nb::cast<std::string>(h);
     if (s == "r" || s == "read") return ferry::kAccessRead;
     if (s == "w" || s == "write") return ferry::kAccessWrite;
-    if (s == "rw" || s == "wr" || s == "readwrite" || s == "read-write") return ferry::kAccessReadWrite;
+    if (s == "rw" || s == "wr" || s == "readwrite" || s == "read-write")
+      return ferry::kAccessReadWrite;
     raise(StatusCode::kInvalidArgument,
           "access must be 'r', 'w' or 'rw' (or ferry.ACCESS_* flags), got '" + s + "'");
   }
   const uint64_t v = as_u64(h, "access");
-  if (v < 1 || v > 3) raise(StatusCode::kInvalidArgument, "access flags must be 1 (read), 2 (write) or 3");
+  if (v < 1 || v > 3)
+    raise(StatusCode::kInvalidArgument, "access flags must be 1 (read), 2 (write) or 3");
   return static_cast<uint8_t>(v);
 }
 
@@ -358,8 +362,7 @@ ferry::RemoteDescriptor parse_descriptor(nb::handle h) {
   if (nb::try_cast<ferry::RemoteDescriptor>(h, d, false)) return d;
   ByteSpan s(h, "a remote descriptor");
   auto r = ferry::RemoteDescriptor::from_bytes(s.span);
-  if (!r.ok())
-    raise(r.status().code(), "invalid remote descriptor: " + r.status().message());
+  if (!r.ok()) raise(r.status().code(), "invalid remote descriptor: " + r.status().message());
   return std::move(r).value();
 }
 
@@ -473,8 +476,8 @@ struct PyRegion {
     const uint8_t acc = parse_access(access, buf.readonly);
     if (buf.readonly && (acc & ferry::kAccessWrite))
       raise(StatusCode::kPermissionDenied,
-            "region " + std::to_string(mr.id) + " was registered from a read-only " +
-                buf.source + " object; it can only be advertised with access='r'");
+            "region " + std::to_string(mr.id) + " was registered from a read-only " + buf.source +
+                " object; it can only be advertised with access='r'");
     if (offset > mr.length)
       raise(StatusCode::kOutOfRange, "advertise offset " + std::to_string(offset) +
                                          " is past the end of region " + std::to_string(mr.id) +
@@ -486,12 +489,12 @@ struct PyRegion {
 
   std::string repr() const {
     char addr[32];
-    std::snprintf(addr, sizeof addr, "0x%llx", static_cast<unsigned long long>(
-                                                    reinterpret_cast<uintptr_t>(mr.address)));
+    std::snprintf(addr, sizeof addr, "0x%llx",
+                  static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(mr.address)));
     return "<ferry.Region id=" + std::to_string(mr.id) + " address=" + addr +
-           " length=" + std::to_string(mr.length) + " kind=" +
-           std::string(ferry::memory_kind_name(mr.kind)) + (buf.readonly ? " read-only" : "") +
-           (registered ? "" : " deregistered") + ">";
+           " length=" + std::to_string(mr.length) +
+           " kind=" + std::string(ferry::memory_kind_name(mr.kind)) +
+           (buf.readonly ? " read-only" : "") + (registered ? "" : " deregistered") + ">";
   }
 };
 
@@ -643,8 +646,9 @@ struct PyTransfer {
   std::string repr() {
     std::string st = finished ? std::string(ferry::status_code_name(final_status.code()))
                               : std::string("InProgress?");
-    return "<ferry.Transfer id=" + std::to_string(tid) + " " + op + " iovs=" +
-           std::to_string(iovs) + " bytes=" + std::to_string(bytes) + " status=" + st + ">";
+    return "<ferry.Transfer id=" + std::to_string(tid) + " " + op +
+           " iovs=" + std::to_string(iovs) + " bytes=" + std::to_string(bytes) + " status=" + st +
+           ">";
   }
 };
 
@@ -737,16 +741,15 @@ Col get_col(nb::handle h, const char* name) {
     c.value = as_u64(h, name);
     return c;
   }
-  if (try_array<uint64_t>(h, c) || try_array<int64_t>(h, c) || try_array<uint32_t>(h, c))
-    return c;
+  if (try_array<uint64_t>(h, c) || try_array<int64_t>(h, c) || try_array<uint32_t>(h, c)) return c;
   if (PyList_Check(h.ptr()) || PyTuple_Check(h.ptr())) {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(h.ptr());
     PyObject** items = PySequence_Fast_ITEMS(h.ptr());
     c.owned.resize(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* it = items[i];
-      unsigned long long v = PyLong_Check(it) ? PyLong_AsUnsignedLongLong(it)
-                                              : as_u64(nb::handle(it), name);
+      unsigned long long v =
+          PyLong_Check(it) ? PyLong_AsUnsignedLongLong(it) : as_u64(nb::handle(it), name);
       if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
         PyErr_Clear();
         raise(StatusCode::kInvalidArgument,
@@ -775,7 +778,9 @@ Col get_col(nb::handle h, const char* name) {
 // Peer
 
 enum class Op { kWrite, kRead };
-const char* op_name(Op op) { return op == Op::kWrite ? "write" : "read"; }
+const char* op_name(Op op) {
+  return op == Op::kWrite ? "write" : "read";
+}
 
 struct Scratch {
   std::vector<ferry::LocalIov> local;
@@ -803,7 +808,8 @@ struct PyPeer {
     box->reap(*eng);
     std::optional<ferry::ByteView> note;
     if (!notify.is_none()) {
-      if (op != Op::kWrite) raise(StatusCode::kInvalidArgument, "only a write can carry a notification");
+      if (op != Op::kWrite)
+        raise(StatusCode::kInvalidArgument, "only a write can carry a notification");
       ByteSpan s(notify, "notify");
       holder.notification.assign(s.span.begin(), s.span.end());
       note = ferry::ByteView(holder.notification);
@@ -882,13 +888,13 @@ struct PyPeer {
         if (nb::try_cast<PyRegion*>(lobj, reg, false) && reg) {
           reg->require_registered();
           if (reg->box != box)
-            raise(StatusCode::kInvalidArgument,
-                  "local[" + std::to_string(i) + "]: region " + std::to_string(reg->mr.id) +
-                      " belongs to another engine");
+            raise(StatusCode::kInvalidArgument, "local[" + std::to_string(i) + "]: region " +
+                                                    std::to_string(reg->mr.id) +
+                                                    " belongs to another engine");
           if (op == Op::kRead && reg->buf.readonly)
-            raise(StatusCode::kPermissionDenied,
-                  "local[" + std::to_string(i) + "]: region " + std::to_string(reg->mr.id) +
-                      " is read-only and cannot receive a read");
+            raise(StatusCode::kPermissionDenied, "local[" + std::to_string(i) + "]: region " +
+                                                     std::to_string(reg->mr.id) +
+                                                     " is read-only and cannot receive a read");
           L = {static_cast<char*>(reg->mr.address), reg->mr.length};
           holder.objs.push_back(nb::borrow(lobj));
         } else {
@@ -927,13 +933,12 @@ struct PyPeer {
                                            std::to_string(L.size) + "-byte buffer");
       uint64_t length = len ? *len : (rl ? *rl : L.size - off);
       if (rl && *rl != length)
-        raise(StatusCode::kInvalidArgument,
-              "entry " + std::to_string(i) + ": local length " + std::to_string(length) +
-                  " != remote length " + std::to_string(*rl));
+        raise(StatusCode::kInvalidArgument, "entry " + std::to_string(i) + ": local length " +
+                                                std::to_string(length) + " != remote length " +
+                                                std::to_string(*rl));
       if (length > L.size - off)
-        raise(StatusCode::kOutOfRange, "local[" + std::to_string(i) + "]: [" +
-                                           std::to_string(off) + ", " +
-                                           std::to_string(off + length) + ") exceeds the " +
+        raise(StatusCode::kOutOfRange, "local[" + std::to_string(i) + "]: [" + std::to_string(off) +
+                                           ", " + std::to_string(off + length) + ") exceeds the " +
                                            std::to_string(L.size) + "-byte buffer");
       liov[size_t(i)] = {L.base + off, length};
       riov[size_t(i)] = {nullptr, roffv, length};
@@ -965,8 +970,8 @@ struct PyPeer {
       const Py_ssize_t n = PySequence_Size(e.ptr());
       if (n < 1 || n > 3)
         raise(StatusCode::kInvalidArgument,
-              std::string(remote ? "remote" : "local") + "[" + std::to_string(i) +
-                  "] must be (" + (remote ? "descriptor" : "buffer") + ", offset, length)");
+              std::string(remote ? "remote" : "local") + "[" + std::to_string(i) + "] must be (" +
+                  (remote ? "descriptor" : "buffer") + ", offset, length)");
       PyObject** items = PySequence_Fast_ITEMS(e.ptr());
       obj = items[0];
       off = n > 1 ? nb::handle(items[1]) : nb::handle();
@@ -990,8 +995,8 @@ struct PyPeer {
     if (region) {
       region->require_registered();
       if (region->box != box)
-        raise(StatusCode::kInvalidArgument, "region " + std::to_string(region->mr.id) +
-                                                " belongs to another engine");
+        raise(StatusCode::kInvalidArgument,
+              "region " + std::to_string(region->mr.id) + " belongs to another engine");
       if (op == Op::kRead && region->buf.readonly)
         raise(StatusCode::kPermissionDenied, "region " + std::to_string(region->mr.id) +
                                                  " is read-only and cannot receive a read");
@@ -1010,9 +1015,8 @@ struct PyPeer {
     for (const Col* c : {&lo, &di, &ro, &ln}) {
       if (!c->present || c->scalar) continue;
       if (have_n && c->n != n)
-        raise(StatusCode::kInvalidArgument,
-              "batch columns differ in length (" + std::to_string(n) + " vs " +
-                  std::to_string(c->n) + ")");
+        raise(StatusCode::kInvalidArgument, "batch columns differ in length (" + std::to_string(n) +
+                                                " vs " + std::to_string(c->n) + ")");
       n = c->n;
       have_n = true;
     }
@@ -1026,7 +1030,8 @@ struct PyPeer {
         nb::isinstance<ferry::RemoteDescriptor>(descriptors)) {
       s.descs.push_back(parse_descriptor(descriptors));
     } else {
-      nb::object seq = nb::steal(PySequence_Fast(descriptors.ptr(), "descriptors must be bytes or a list of bytes"));
+      nb::object seq = nb::steal(
+          PySequence_Fast(descriptors.ptr(), "descriptors must be bytes or a list of bytes"));
       if (!seq.is_valid()) throw nb::python_error();
       const Py_ssize_t nd = PySequence_Fast_GET_SIZE(seq.ptr());
       PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
@@ -1079,8 +1084,8 @@ struct PyPeer {
     if (err == kLocalRange)
       raise(StatusCode::kOutOfRange,
             "iov " + std::to_string(bad) + ": local [" + std::to_string(lo.at(bad)) + ", +" +
-                std::to_string(ln.at(bad)) + ") exceeds region " +
-                std::to_string(region->mr.id) + " (" + std::to_string(rlen) + " bytes)");
+                std::to_string(ln.at(bad)) + ") exceeds region " + std::to_string(region->mr.id) +
+                " (" + std::to_string(rlen) + " bytes)");
     if (err == kDescIndex)
       raise(StatusCode::kInvalidArgument, "iov " + std::to_string(bad) + ": desc_index " +
                                               std::to_string(di.at(bad)) + " but only " +
@@ -1090,8 +1095,8 @@ struct PyPeer {
       if (lo.keep.is_valid()) holder.objs.push_back(lo.keep);
     }
     return submit(op, std::span<const ferry::LocalIov>(s.local.data(), n),
-                  std::span<const ferry::RemoteIov>(s.remote.data(), n), notify, timeout,
-                  async_, std::move(holder), total);
+                  std::span<const ferry::RemoteIov>(s.remote.data(), n), notify, timeout, async_,
+                  std::move(holder), total);
   }
 
   void notify(nb::handle payload) {
@@ -1104,7 +1109,8 @@ struct PyPeer {
 
   std::string repr() const {
     char buf[64];
-    std::snprintf(buf, sizeof buf, "<ferry.Peer id=0x%016llx>", static_cast<unsigned long long>(id));
+    std::snprintf(buf, sizeof buf, "<ferry.Peer id=0x%016llx>",
+                  static_cast<unsigned long long>(id));
     return buf;
   }
 };
@@ -1170,6 +1176,8 @@ struct PyEngine {
   }
 
   std::vector<uint64_t> peers() { return box->get()->peers(); }
+
+  std::string peer_address(uint64_t peer_id) { return unwrap(box->get()->peer_address(peer_id)); }
 
   PyPeer* peer(uint64_t peer_id) { return new PyPeer{box, peer_id}; }
 
@@ -1328,54 +1336,61 @@ NB_MODULE(_ferry, m) {
       Py_INCREF(v.ptr());
     }
   });
-  m.def("_raise_status", [](int code, const std::string& msg) {
-    raise(static_cast<StatusCode>(code), msg);
-  }, "Raise the exception of a status code (testing aid).");
-  m.def("_last_binding_ns", [] { return t_binding_ns; },
-        "ns the binding spent before the engine call, for the last transfer call of this thread");
-  m.def("_cpp_loop",
-        [](PyPeer& peer, const std::string& op, PyRegion& region, uint64_t block, uint64_t n,
-           nb::handle desc, uint64_t iters) {
-          // The C++ baseline for bench/python_bench.py: the same calls a C++ program
-          // makes (iovs built once, blocking Engine::write/read), on the same
-          // engine and connection as the Python calls it is compared with.
-          region.require_registered();
-          if (block == 0 || n == 0 || block * n > region.mr.length)
-            raise(StatusCode::kOutOfRange, "_cpp_loop: n * block exceeds the region");
-          ferry::RemoteDescriptor d = parse_descriptor(desc);
-          std::vector<ferry::LocalIov> local(n);
-          std::vector<ferry::RemoteIov> remote(n);
-          for (uint64_t i = 0; i < n; ++i) {
-            local[i] = {static_cast<char*>(region.mr.address) + i * block, block};
-            remote[i] = {&d, i * block, block};
+  m.def(
+      "_raise_status",
+      [](int code, const std::string& msg) { raise(static_cast<StatusCode>(code), msg); },
+      "Raise the exception of a status code (testing aid).");
+  m.def(
+      "_last_binding_ns", [] { return t_binding_ns; },
+      "ns the binding spent before the engine call, for the last transfer call of this thread");
+  m.def(
+      "_cpp_loop",
+      [](PyPeer& peer, const std::string& op, PyRegion& region, uint64_t block, uint64_t n,
+         nb::handle desc, uint64_t iters) {
+        // The C++ baseline for bench/python_bench.py: the same calls a C++ program
+        // makes (iovs built once, blocking Engine::write/read), on the same
+        // engine and connection as the Python calls it is compared with.
+        region.require_registered();
+        if (block == 0 || n == 0 || block * n > region.mr.length)
+          raise(StatusCode::kOutOfRange, "_cpp_loop: n * block exceeds the region");
+        ferry::RemoteDescriptor d = parse_descriptor(desc);
+        std::vector<ferry::LocalIov> local(n);
+        std::vector<ferry::RemoteIov> remote(n);
+        for (uint64_t i = 0; i < n; ++i) {
+          local[i] = {static_cast<char*>(region.mr.address) + i * block, block};
+          remote[i] = {&d, i * block, block};
+        }
+        auto eng = peer.box->get();
+        const bool is_write = op == "write";
+        std::vector<double> lat_us;
+        lat_us.reserve(iters);
+        ferry::Status st = without_gil([&] {
+          for (uint64_t k = 0; k < iters; ++k) {
+            auto t0 = Clock::now();
+            ferry::Status s =
+                is_write ? eng->write(peer.id, local, remote) : eng->read(peer.id, local, remote);
+            if (!s.ok()) return s;
+            lat_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
           }
-          auto eng = peer.box->get();
-          const bool is_write = op == "write";
-          std::vector<double> lat_us;
-          lat_us.reserve(iters);
-          ferry::Status st = without_gil([&] {
-            for (uint64_t k = 0; k < iters; ++k) {
-              auto t0 = Clock::now();
-              ferry::Status s = is_write ? eng->write(peer.id, local, remote)
-                                         : eng->read(peer.id, local, remote);
-              if (!s.ok()) return s;
-              lat_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-            }
-            return ferry::Status::Ok();
-          });
-          check(st);
-          return lat_us;
-        },
-        "peer"_a, "op"_a, "region"_a, "block"_a, "n"_a, "descriptor"_a, "iters"_a,
-        "Benchmark baseline: `iters` blocking C++ calls of n x block bytes; latencies in us.");
+          return ferry::Status::Ok();
+        });
+        check(st);
+        return lat_us;
+      },
+      "peer"_a, "op"_a, "region"_a, "block"_a, "n"_a, "descriptor"_a, "iters"_a,
+      "Benchmark baseline: `iters` blocking C++ calls of n x block bytes; latencies in us.");
   m.def("version", [] { return std::string(ferry::version()); });
   m.def("protocol_version", [] { return ferry::protocol_version(); });
-  m.def("_address_of", [](nb::handle obj) {
-    BufferRef b = acquire(obj, false);
-    return nb::make_tuple(reinterpret_cast<uintptr_t>(b.ptr), b.size, b.readonly, b.source);
-  }, "obj"_a, "(address, nbytes, readonly, source) of an object's memory, as register() sees it.");
+  m.def(
+      "_address_of",
+      [](nb::handle obj) {
+        BufferRef b = acquire(obj, false);
+        return nb::make_tuple(reinterpret_cast<uintptr_t>(b.ptr), b.size, b.readonly, b.source);
+      },
+      "obj"_a, "(address, nbytes, readonly, source) of an object's memory, as register() sees it.");
 
-  nb::class_<ferry::RemoteDescriptor>(m, "Descriptor",
+  nb::class_<ferry::RemoteDescriptor>(
+      m, "Descriptor",
       "A decoded 64-byte remote descriptor (what Region.advertise() returns as bytes).")
       .def(nb::init<>())
       .def_rw("engine_id", &ferry::RemoteDescriptor::engine_id)
@@ -1387,12 +1402,12 @@ NB_MODULE(_ferry, m) {
       .def_rw("access", &ferry::RemoteDescriptor::access)
       .def_rw("kind", &ferry::RemoteDescriptor::kind)
       .def_rw("device", &ferry::RemoteDescriptor::device)
-      .def_static("from_bytes", [](nb::handle b) { return parse_descriptor(b); }, "data"_a)
+      .def_static(
+          "from_bytes", [](nb::handle b) { return parse_descriptor(b); }, "data"_a)
       .def("to_bytes", [](const ferry::RemoteDescriptor& d) { return to_py_bytes(d.to_bytes()); })
       .def("__bytes__", [](const ferry::RemoteDescriptor& d) { return to_py_bytes(d.to_bytes()); })
-      .def("__eq__", [](const ferry::RemoteDescriptor& a, const ferry::RemoteDescriptor& b) {
-        return a.to_bytes() == b.to_bytes();
-      })
+      .def("__eq__", [](const ferry::RemoteDescriptor& a,
+                        const ferry::RemoteDescriptor& b) { return a.to_bytes() == b.to_bytes(); })
       .def("__repr__", [](const ferry::RemoteDescriptor& d) {
         char buf[256];
         std::snprintf(buf, sizeof buf,
@@ -1407,18 +1422,24 @@ NB_MODULE(_ferry, m) {
 
   nb::class_<PyRegion>(m, "Region", "Registered memory. Keeps the buffer alive until deregistered.")
       .def_prop_ro("id", [](const PyRegion& r) { return r.mr.id; })
-      .def_prop_ro("address", [](const PyRegion& r) { return reinterpret_cast<uintptr_t>(r.mr.address); })
+      .def_prop_ro("address",
+                   [](const PyRegion& r) { return reinterpret_cast<uintptr_t>(r.mr.address); })
       .def_prop_ro("length", [](const PyRegion& r) { return r.mr.length; })
       .def_prop_ro("nbytes", [](const PyRegion& r) { return r.mr.length; })
-      .def_prop_ro("kind", [](const PyRegion& r) { return std::string(ferry::memory_kind_name(r.mr.kind)); })
+      .def_prop_ro(
+          "kind", [](const PyRegion& r) { return std::string(ferry::memory_kind_name(r.mr.kind)); })
       .def_prop_ro("device", [](const PyRegion& r) { return r.mr.device; })
       .def_prop_ro("readonly", [](const PyRegion& r) { return r.buf.readonly; })
       .def_prop_ro("registered", [](const PyRegion& r) { return r.registered; })
       .def_prop_ro("source", [](const PyRegion& r) { return std::string(r.buf.source); })
-      .def_prop_ro("obj", [](const PyRegion& r) -> nb::object {
-        return r.buf.keep.is_valid() ? r.buf.keep
-               : r.buf.has_view && r.buf.view.obj ? nb::borrow(r.buf.view.obj) : nb::none();
-      }, "The object whose memory is registered (None for register_ptr).")
+      .def_prop_ro(
+          "obj",
+          [](const PyRegion& r) -> nb::object {
+            return r.buf.keep.is_valid()              ? r.buf.keep
+                   : r.buf.has_view && r.buf.view.obj ? nb::borrow(r.buf.view.obj)
+                                                      : nb::none();
+          },
+          "The object whose memory is registered (None for register_ptr).")
       .def("advertise", &PyRegion::advertise, "offset"_a = 0, "length"_a = nb::none(),
            "access"_a = nb::none(),
            "64-byte descriptor granting a peer `access` ('r', 'w', 'rw'; default 'rw', or 'r' "
@@ -1448,70 +1469,81 @@ NB_MODULE(_ferry, m) {
 
   nb::class_<PyPeer>(m, "Peer", "A connected remote engine.")
       .def_prop_ro("id", [](const PyPeer& p) { return p.id; })
-      .def("write",
-           [](PyPeer& p, nb::handle local, nb::handle remote, nb::handle notify,
-              std::optional<double> timeout, bool async_) {
-             return p.transfer(Op::kWrite, local, remote, notify, timeout, async_);
-           },
-           "local"_a, "remote"_a, "notify"_a = nb::none(), "timeout"_a = nb::none(),
-           "async_"_a = false,
-           "One-sided write. local: [(buffer_or_region, offset, length), ...]; remote: "
-           "[(descriptor, offset, length), ...]. Blocks unless async_=True (then returns a "
-           "Transfer). notify: bytes delivered to the target after every byte is placed.")
-      .def("read",
-           [](PyPeer& p, nb::handle local, nb::handle remote, std::optional<double> timeout,
-              bool async_) {
-             return p.transfer(Op::kRead, local, remote, nb::none(), timeout, async_);
-           },
-           "local"_a, "remote"_a, "timeout"_a = nb::none(), "async_"_a = false,
-           "One-sided read into local memory; same arguments as write().")
-      .def("write_async",
-           [](PyPeer& p, nb::handle local, nb::handle remote, nb::handle notify) {
-             return p.transfer(Op::kWrite, local, remote, notify, std::nullopt, true);
-           },
-           "local"_a, "remote"_a, "notify"_a = nb::none())
-      .def("read_async",
-           [](PyPeer& p, nb::handle local, nb::handle remote) {
-             return p.transfer(Op::kRead, local, remote, nb::none(), std::nullopt, true);
-           },
-           "local"_a, "remote"_a)
-      .def("write_batch",
-           [](PyPeer& p, PyRegion* region, nb::handle lo, nb::handle descs, nb::handle di,
-              nb::handle ro, nb::handle ln, nb::handle notify, std::optional<double> timeout,
-              bool async_) {
-             return p.batch(Op::kWrite, region, lo, descs, di, ro, ln, notify, timeout, async_);
-           },
-           "region"_a, "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
-           "remote_offsets"_a = nb::none(), "lengths"_a = nb::none(), "notify"_a = nb::none(),
-           "timeout"_a = nb::none(), "async_"_a = false,
-           "Batched write with columns as numpy arrays (uint64; desc_index uint32), built in "
-           "C++ without a per-entry Python loop. A column may be one int (broadcast).")
-      .def("read_batch",
-           [](PyPeer& p, PyRegion* region, nb::handle lo, nb::handle descs, nb::handle di,
-              nb::handle ro, nb::handle ln, std::optional<double> timeout, bool async_) {
-             return p.batch(Op::kRead, region, lo, descs, di, ro, ln, nb::none(), timeout, async_);
-           },
-           "region"_a, "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
-           "remote_offsets"_a = nb::none(), "lengths"_a = nb::none(), "timeout"_a = nb::none(),
-           "async_"_a = false)
-      .def("_post_addresses",
-           [](PyPeer& p, const std::string& op, nb::handle addrs, nb::handle lengths,
-              nb::handle descs, nb::handle remote_offsets, nb::handle notify,
-              std::optional<double> timeout, bool async_) {
-             Op o = op == "write" ? Op::kWrite : op == "read" ? Op::kRead
-                  : (raise(StatusCode::kInvalidArgument, "op must be 'write' or 'read'"), Op::kWrite);
-             return p.batch(o, nullptr, addrs, descs, nb::none(), remote_offsets, lengths, notify,
-                            timeout, async_);
-           },
-           "op"_a, "addresses"_a, "lengths"_a, "descriptors"_a, "remote_offsets"_a = nb::none(),
-           "notify"_a = nb::none(), "timeout"_a = nb::none(), "async_"_a = false,
-           "Raw form used by ferry.compat: local iovs are absolute addresses inside registered "
-           "regions; one descriptor per iov (or one for all).")
+      .def(
+          "write",
+          [](PyPeer& p, nb::handle local, nb::handle remote, nb::handle notify,
+             std::optional<double> timeout, bool async_) {
+            return p.transfer(Op::kWrite, local, remote, notify, timeout, async_);
+          },
+          "local"_a, "remote"_a, "notify"_a = nb::none(), "timeout"_a = nb::none(),
+          "async_"_a = false,
+          "One-sided write. local: [(buffer_or_region, offset, length), ...]; remote: "
+          "[(descriptor, offset, length), ...]. Blocks unless async_=True (then returns a "
+          "Transfer). notify: bytes delivered to the target after every byte is placed.")
+      .def(
+          "read",
+          [](PyPeer& p, nb::handle local, nb::handle remote, std::optional<double> timeout,
+             bool async_) {
+            return p.transfer(Op::kRead, local, remote, nb::none(), timeout, async_);
+          },
+          "local"_a, "remote"_a, "timeout"_a = nb::none(), "async_"_a = false,
+          "One-sided read into local memory; same arguments as write().")
+      .def(
+          "write_async",
+          [](PyPeer& p, nb::handle local, nb::handle remote, nb::handle notify) {
+            return p.transfer(Op::kWrite, local, remote, notify, std::nullopt, true);
+          },
+          "local"_a, "remote"_a, "notify"_a = nb::none())
+      .def(
+          "read_async",
+          [](PyPeer& p, nb::handle local, nb::handle remote) {
+            return p.transfer(Op::kRead, local, remote, nb::none(), std::nullopt, true);
+          },
+          "local"_a, "remote"_a)
+      .def(
+          "write_batch",
+          [](PyPeer& p, PyRegion* region, nb::handle lo, nb::handle descs, nb::handle di,
+             nb::handle ro, nb::handle ln, nb::handle notify, std::optional<double> timeout,
+             bool async_) {
+            return p.batch(Op::kWrite, region, lo, descs, di, ro, ln, notify, timeout, async_);
+          },
+          "region"_a, "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
+          "remote_offsets"_a = nb::none(), "lengths"_a = nb::none(), "notify"_a = nb::none(),
+          "timeout"_a = nb::none(), "async_"_a = false,
+          "Batched write with columns as numpy arrays (uint64; desc_index uint32), built in "
+          "C++ without a per-entry Python loop. A column may be one int (broadcast).")
+      .def(
+          "read_batch",
+          [](PyPeer& p, PyRegion* region, nb::handle lo, nb::handle descs, nb::handle di,
+             nb::handle ro, nb::handle ln, std::optional<double> timeout, bool async_) {
+            return p.batch(Op::kRead, region, lo, descs, di, ro, ln, nb::none(), timeout, async_);
+          },
+          "region"_a, "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
+          "remote_offsets"_a = nb::none(), "lengths"_a = nb::none(), "timeout"_a = nb::none(),
+          "async_"_a = false)
+      .def(
+          "_post_addresses",
+          [](PyPeer& p, const std::string& op, nb::handle addrs, nb::handle lengths,
+             nb::handle descs, nb::handle remote_offsets, nb::handle notify,
+             std::optional<double> timeout, bool async_) {
+            Op o = op == "write" ? Op::kWrite
+                   : op == "read"
+                       ? Op::kRead
+                       : (raise(StatusCode::kInvalidArgument, "op must be 'write' or 'read'"),
+                          Op::kWrite);
+            return p.batch(o, nullptr, addrs, descs, nb::none(), remote_offsets, lengths, notify,
+                           timeout, async_);
+          },
+          "op"_a, "addresses"_a, "lengths"_a, "descriptors"_a, "remote_offsets"_a = nb::none(),
+          "notify"_a = nb::none(), "timeout"_a = nb::none(), "async_"_a = false,
+          "Raw form used by ferry.compat: local iovs are absolute addresses inside registered "
+          "regions; one descriptor per iov (or one for all).")
       .def("notify", &PyPeer::notify, "payload"_a)
-      .def("__eq__", [](const PyPeer& a, nb::handle b) {
-        PyPeer* o = nullptr;
-        return nb::try_cast<PyPeer*>(b, o, false) && o && o->box == a.box && o->id == a.id;
-      })
+      .def("__eq__",
+           [](const PyPeer& a, nb::handle b) {
+             PyPeer* o = nullptr;
+             return nb::try_cast<PyPeer*>(b, o, false) && o && o->box == a.box && o->id == a.id;
+           })
       .def("__hash__", [](const PyPeer& p) { return std::hash<uint64_t>()(p.id); })
       .def("__repr__", &PyPeer::repr);
 
@@ -1526,6 +1558,9 @@ NB_MODULE(_ferry, m) {
       .def("metadata", &PyEngine::metadata, "Bytes a peer passes to connect() to reach us.")
       .def("options", &PyEngine::options, "Every option with its effective value and source.")
       .def("peers", &PyEngine::peers, "Ids of the peers connected now (either direction).")
+      .def("peer_address", &PyEngine::peer_address, "peer_id"_a,
+           "The connected peer's 'ip:port' on its side of the connection (NotFound if not "
+           "connected).")
       .def("peer", &PyEngine::peer, "peer_id"_a, "A Peer handle for a known peer id.")
       .def("connect", &PyEngine::connect, "target"_a,
            "Connect by metadata bytes or 'host:port'; cached per peer.")

@@ -333,6 +333,14 @@ std::vector<PeerId> Engine::peers() const {
   return out;
 }
 
+Result<std::string> Engine::peer_address(PeerId peer) const {
+  std::string address = impl_->network_->peer_address(peer);
+  if (address.empty()) {
+    return err::NotFound(fmt::format("peer {} is not connected", hex_id(peer)));
+  }
+  return address;
+}
+
 Result<MemoryRegion> Engine::register_memory(void* address, uint64_t length) {
   return impl_->registry_.add(address, length);
 }

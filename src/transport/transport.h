@@ -72,6 +72,9 @@ class Transport {
   // returns the remote engine id. `expected_peer` 0 accepts any engine.
   virtual Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) = 0;
   virtual bool is_connected(PeerId peer) const = 0;
+  // The peer's address on its side of the connection, for messages and
+  // callers; empty when not connected.
+  virtual std::string peer_address(PeerId peer) const = 0;
 
   // Data movement. The transfer's `outstanding` and completion are the
   // transport's to manage from here on.

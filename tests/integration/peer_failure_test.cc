@@ -63,7 +63,8 @@ TEST(PeerFailure, KilledMidTransfer) {
   const auto deadline = killed + 2s;
   int disconnected = 0, ok = 0;
   for (size_t i = 1; i < ids.size(); ++i) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     Status s = engine->wait(ids[i], std::max(left, 0ms));
     if (s.ok()) {
       ++ok;  // finished before the kill
@@ -93,6 +94,7 @@ TEST(PeerFailure, KilledMidTransfer) {
   auto peers = engine->peers();
   EXPECT_EQ(std::find(peers.begin(), peers.end(), *vid), peers.end())
       << "the dead peer is still listed as connected";
+  EXPECT_EQ(engine->peer_address(*vid).status().code(), StatusCode::kNotFound);
   const auto t1 = Clock::now();
   const uint8_t hello[] = {'h', 'i'};
   Status note = engine->notify(*vid, hello);

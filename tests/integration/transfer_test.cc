@@ -1,12 +1,12 @@
 // Two processes over loopback: one-sided WRITE and READ, verified byte for
 // byte against the target's real memory (through ferry_test_peer's checksum
 // command, never through Ferry itself) and against the known pattern.
-#include <csignal>
 #include <sys/sysinfo.h>
 
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <csignal>
 #include <numeric>
 #include <random>
 #include <set>
@@ -50,8 +50,8 @@ struct Layout {
   }
 };
 
-void MakeIovs(const Layout& l, uint8_t* base, const RemoteDescriptor* d,
-              std::vector<LocalIov>* li, std::vector<RemoteIov>* ri) {
+void MakeIovs(const Layout& l, uint8_t* base, const RemoteDescriptor* d, std::vector<LocalIov>* li,
+              std::vector<RemoteIov>* ri) {
   li->clear();
   ri->clear();
   for (size_t i = 0; i < l.batch; ++i) {
@@ -69,7 +69,8 @@ void ExpectTargetHolds(TestPeer& peer, const Layout& l, const uint8_t* local, ui
   std::vector<std::string> names;
   std::vector<size_t> order(l.batch);
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return l.remote[a] < l.remote[b]; });
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return l.remote[a] < l.remote[b]; });
   uint64_t pos = 0;
   for (size_t i : order) {
     if (l.remote[i] > pos) {
@@ -133,11 +134,20 @@ struct MatrixCase {
 std::string CaseName(const ::testing::TestParamInfo<MatrixCase>& info) {
   std::string s;
   switch (info.param.size) {
-    case 1: s = "1B"; break;
-    case 4096: s = "4KiB"; break;
-    case (1 << 20) + 3: s = "1MiBPlus3"; break;
-    case 64 << 20: s = "64MiB"; break;
-    default: s = std::to_string(info.param.size);
+    case 1:
+      s = "1B";
+      break;
+    case 4096:
+      s = "4KiB";
+      break;
+    case (1 << 20) + 3:
+      s = "1MiBPlus3";
+      break;
+    case 64 << 20:
+      s = "64MiB";
+      break;
+    default:
+      s = std::to_string(info.param.size);
   }
   return s + "_Batch" + std::to_string(info.param.batch);
 }
@@ -149,9 +159,9 @@ TEST_P(WriteReadMatrix, SyncAndAsyncVerifiedByteForByte) {
   const Layout l(size, batch, size * 31 + batch);
   if (l.remote_bytes > kMaxCaseBytes) {
     GTEST_SKIP() << size << " B x " << batch << " = " << (size * batch >> 20)
-                 << " MiB per call needs that much memory on each side and ~" << (size * batch >> 30)
-                 << " s per pass on 2 cores; cases above " << (kMaxCaseBytes >> 20)
-                 << " MiB are skipped (64 MiB x 1024 = 64 GiB)";
+                 << " MiB per call needs that much memory on each side and ~"
+                 << (size * batch >> 30) << " s per pass on 2 cores; cases above "
+                 << (kMaxCaseBytes >> 20) << " MiB are skipped (64 MiB x 1024 = 64 GiB)";
   }
   if (PhysicalMemory() < 4 * (l.remote_bytes + l.local_bytes)) {
     GTEST_SKIP() << "not enough memory for " << (l.remote_bytes >> 20) << " MiB per side";
@@ -204,14 +214,14 @@ TEST_P(WriteReadMatrix, SyncAndAsyncVerifiedByteForByte) {
   EXPECT_NE(*rid, *wid);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Loopback, WriteReadMatrix,
-    ::testing::Values(MatrixCase{1, 1}, MatrixCase{1, 7}, MatrixCase{1, 1024},
-                      MatrixCase{4096, 1}, MatrixCase{4096, 7}, MatrixCase{4096, 1024},
-                      MatrixCase{(1 << 20) + 3, 1}, MatrixCase{(1 << 20) + 3, 7},
-                      MatrixCase{(1 << 20) + 3, 1024}, MatrixCase{64 << 20, 1},
-                      MatrixCase{64 << 20, 7}, MatrixCase{64 << 20, 1024}),
-    CaseName);
+INSTANTIATE_TEST_SUITE_P(Loopback, WriteReadMatrix,
+                         ::testing::Values(MatrixCase{1, 1}, MatrixCase{1, 7}, MatrixCase{1, 1024},
+                                           MatrixCase{4096, 1}, MatrixCase{4096, 7},
+                                           MatrixCase{4096, 1024}, MatrixCase{(1 << 20) + 3, 1},
+                                           MatrixCase{(1 << 20) + 3, 7},
+                                           MatrixCase{(1 << 20) + 3, 1024}, MatrixCase{64 << 20, 1},
+                                           MatrixCase{64 << 20, 7}, MatrixCase{64 << 20, 1024}),
+                         CaseName);
 
 // ---------------------------------------------------------------------------
 
@@ -255,6 +265,9 @@ TEST_F(TransferTest, ConnectCachesPeerAndHostPortWorks) {
   EXPECT_EQ(*hp, peer_->engine_id);
   auto peers = engine_->peers();
   EXPECT_NE(std::find(peers.begin(), peers.end(), pid_), peers.end());
+  auto address = engine_->peer_address(pid_);
+  ASSERT_TRUE(address.ok()) << address.status().to_string();
+  EXPECT_EQ(*address, peer_->listen) << "the address connected to";
   LocalBuffer buf(*engine_, 1 << 16);
   ExpectHealthy(buf, 5);
 }

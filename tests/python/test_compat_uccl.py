@@ -21,6 +21,7 @@ def _server(conn):
     conn.send(ep.get_metadata())
     ok, r_ip, r_gpu, conn_id = ep.accept()
     assert ok and isinstance(conn_id, int)
+    assert r_ip == "127.0.0.1" and r_gpu == -1  # the peer's address as seen here
     bufs = [np.zeros(BLOCK, np.uint8) for _ in range(NUM_IOVS)]
     ptrs = [b.ctypes.data for b in bufs]
     ok, mr_ids = ep.regv(ptrs, [BLOCK] * NUM_IOVS)

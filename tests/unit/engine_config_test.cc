@@ -1,8 +1,7 @@
 // Engine creation, options and local (no peer) API behaviour through the
 // public header only.
-#include <gtest/gtest.h>
-
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -170,6 +169,7 @@ TEST_F(EngineConfigTest, NoPeerYet) {
   Status s = (*e)->write(0x1234, {&l, 1}, {&r, 1});
   EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.to_string();
   EXPECT_TRUE((*e)->peers().empty());
+  EXPECT_EQ((*e)->peer_address(0x1234).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE((*e)->take_notifications().empty());
   const uint8_t payload[] = {1};
   EXPECT_FALSE((*e)->notify(0x1234, payload).ok());

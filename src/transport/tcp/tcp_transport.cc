@@ -273,6 +273,11 @@ bool TcpTransport::is_connected(PeerId peer) const {
   return g && !g->dead.load();
 }
 
+std::string TcpTransport::peer_address(PeerId peer) const {
+  auto g = primary(peer);
+  return g && !g->dead.load() ? g->remote : std::string();
+}
+
 std::string TcpTransport::peer_name(const Stream& s) const {
   auto g = s.group.lock();
   return g ? fmt::format("peer {} at {}", hex_id(g->peer), s.remote)

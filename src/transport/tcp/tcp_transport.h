@@ -189,6 +189,7 @@ class TcpTransport final : public Transport {
   std::string local_address_text() const override { return advertised_; }
   Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) override;
   bool is_connected(PeerId peer) const override;
+  std::string peer_address(PeerId peer) const override;
   Status post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
                     std::vector<Segment> segments) override;
   Status post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,

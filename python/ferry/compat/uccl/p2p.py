@@ -143,7 +143,8 @@ class Endpoint:
     def accept(self, timeout: float | None = None):
         """Block until a peer not yet handed out connects: (True, ip, gpu, conn_id).
 
-        Ferry's public API does not expose the peer's address: ip is "" and gpu -1.
+        ip is the peer's address as this engine sees the connection; Ferry's
+        handshake carries no GPU index, so gpu is -1.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -151,11 +152,19 @@ class Endpoint:
                 if pid not in self._accepted and pid not in self._peers:
                     self._accepted.add(pid)
                     self._peers[pid] = self._engine.peer(pid)
-                    return True, "", -1, pid
+                    return True, self._peer_ip(pid), -1, pid
             if deadline is not None and time.monotonic() >= deadline:
                 from ..._errors import Timeout
                 raise Timeout(f"accept(): no new peer within {timeout} s")
             time.sleep(0.002)
+
+    def _peer_ip(self, pid: int) -> str:
+        try:
+            address = self._engine.peer_address(pid)
+        except NotFound:  # gone again already: no address to give
+            return ""
+        host, _, _port = address.rpartition(":")
+        return host.strip("[]")
 
     def start_passive_accept(self) -> bool:
         # Ferry's engine accepts every incoming connection on its own threads.
