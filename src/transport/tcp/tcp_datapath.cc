@@ -13,10 +13,12 @@
 namespace ferry::tcp {
 namespace {
 
-constexpr int kMaxIov = 1024;             // IOV_MAX on Linux
-constexpr int kFramesPerWakeup = 64;      // fairness between streams of a worker
+constexpr int kMaxIov = 1024;         // IOV_MAX on Linux
+constexpr int kFramesPerWakeup = 64;  // fairness between streams of a worker
 
-std::string hex_id(uint64_t id) { return fmt::format("{:016x}", id); }
+std::string hex_id(uint64_t id) {
+  return fmt::format("{:016x}", id);
+}
 
 FrameHeader make_header(Op op, TransferId id) {
   FrameHeader h{};
@@ -43,8 +45,8 @@ WireSegment to_wire(const RemoteAccessRequest& r, uint64_t extra_offset, uint64_
 // are chunked. `emit(segment, piece_local, wire_segment)` appends to the open frame;
 // `close()` seals it.
 template <typename Emit, typename Close>
-void cut_frames(const std::vector<Segment>& segments, uint64_t chunk, uint32_t max_segs,
-                Emit emit, Close close) {
+void cut_frames(const std::vector<Segment>& segments, uint64_t chunk, uint32_t max_segs, Emit emit,
+                Close close) {
   uint64_t frame_bytes = 0;
   uint32_t frame_segs = 0;
   for (const Segment& seg : segments) {
@@ -176,8 +178,8 @@ void TcpTransport::post_staged(
   const size_t n = group.streams.size();
   const uint32_t first = group.next_stream.fetch_add(static_cast<uint32_t>(frames.size()));
   for (size_t k = 0; k < frames.size(); ++k) {
-    items->push_back({group.streams[(first + k) % n], std::move(frames[k].first),
-                      std::move(frames[k].second)});
+    items->push_back(
+        {group.streams[(first + k) % n], std::move(frames[k].first), std::move(frames[k].second)});
   }
   GpuPath* path = gpu_.get();
   path->run([this, path, transfer, items] {
@@ -201,8 +203,9 @@ void TcpTransport::post_staged(
         if (!st.ok()) {
           fail_transfer(*transfer, st);
         } else if (!enqueue_on(*stream, std::move(*frame))) {
-          fail_transfer(*transfer, err::PeerDisconnected(fmt::format(
-                                       "connection to peer {} is closed", hex_id(transfer->peer()))));
+          fail_transfer(*transfer,
+                        err::PeerDisconnected(fmt::format("connection to peer {} is closed",
+                                                          hex_id(transfer->peer()))));
         }
       });
     }
@@ -294,7 +297,8 @@ Status TcpTransport::enqueue(Group& group, std::vector<std::unique_ptr<TxFrame>>
     {
       std::lock_guard lock(s.tx_mu);
       if (s.dead) {
-        return err::PeerDisconnected(fmt::format("connection to peer {} is closed", hex_id(group.peer)));
+        return err::PeerDisconnected(
+            fmt::format("connection to peer {} is closed", hex_id(group.peer)));
       }
       for (size_t k = i; k < frames.size(); k += n) {
         if (frames[k]->pending) s.pending.push_back(frames[k]->pending);
@@ -370,7 +374,9 @@ void TcpTransport::flush(Stream& s) {
   if (!ok) fail_stream(s, error);
 }
 
-void TcpTransport::on_writable(Stream& s) { flush(s); }
+void TcpTransport::on_writable(Stream& s) {
+  flush(s);
+}
 
 std::unique_ptr<TxFrame> TcpTransport::make_response(Op op, TransferId id, const Status& status) {
   auto f = std::make_unique<TxFrame>();
@@ -378,7 +384,8 @@ std::unique_ptr<TxFrame> TcpTransport::make_response(Op op, TransferId id, const
   f->header.status = static_cast<uint32_t>(status.code());
   if (!status.ok()) {
     const std::string& m = status.message();
-    f->aux.assign(m.begin(), m.begin() + static_cast<long>(std::min<size_t>(m.size(), kMaxErrorMessage)));
+    f->aux.assign(m.begin(),
+                  m.begin() + static_cast<long>(std::min<size_t>(m.size(), kMaxErrorMessage)));
   }
   f->header.aux_bytes = static_cast<uint32_t>(f->aux.size());
   f->cursor.add(&f->header, sizeof f->header);
@@ -399,6 +406,13 @@ void TcpTransport::respond(Stream& s, std::unique_ptr<TxFrame> frame) {
       d->ready = true;
       d->frame = std::move(frame);
       s.deferred.push_back(std::move(d));
+      return;
+    }
+    if (s.rx_corked.load(std::memory_order_relaxed)) {
+      // Inside a receive pass: queue it; the pass ends with one flush for all
+      // the responses it produced (one sendmsg instead of one per frame).
+      s.txq.push_back(std::move(frame));
+      s.cork_pending = true;
       return;
     }
   }
@@ -493,20 +507,41 @@ void TcpTransport::on_readable(Stream& s) {
     close_stream(s);
     return;
   }
+  s.rx_corked.store(true, std::memory_order_relaxed);
+  receive_pass(s);
+  s.rx_corked.store(false, std::memory_order_relaxed);
+  if (s.dead) {
+    close_stream(s);
+    return;
+  }
+  bool flush_now;
+  {
+    std::lock_guard lock(s.tx_mu);
+    flush_now = s.cork_pending;
+    s.cork_pending = false;
+  }
+  if (flush_now) flush(s);
+}
+
+void TcpTransport::receive_pass(Stream& s) {
   int frames = 0;
   for (;;) {
     bool more = false;
     switch (s.rx) {
-      case Stream::Rx::kHello: more = rx_hello(s); break;
-      case Stream::Rx::kHeader: more = rx_header(s); break;
-      case Stream::Rx::kAux: more = rx_aux(s); break;
-      case Stream::Rx::kPayload: more = rx_payload(s); break;
+      case Stream::Rx::kHello:
+        more = rx_hello(s);
+        break;
+      case Stream::Rx::kHeader:
+        more = rx_header(s);
+        break;
+      case Stream::Rx::kAux:
+        more = rx_aux(s);
+        break;
+      case Stream::Rx::kPayload:
+        more = rx_payload(s);
+        break;
     }
-    if (s.dead) {
-      close_stream(s);
-      return;
-    }
-    if (!more) return;
+    if (s.dead || !more) return;
     if (s.rx == Stream::Rx::kHeader && s.head_got == 0 && ++frames >= kFramesPerWakeup) return;
   }
 }
@@ -578,15 +613,18 @@ Status TcpTransport::on_frame(Stream& s) {
     return err::ProtocolError("request before the handshake completed");
   }
   switch (static_cast<Op>(s.hdr.op)) {
-    case Op::kWrite: return begin_write(s);
-    case Op::kReadRequest: return serve_read(s);
+    case Op::kWrite:
+      return begin_write(s);
+    case Op::kReadRequest:
+      return serve_read(s);
     case Op::kNotify: {
       auto g = s.group.lock();
       ctx_.events->on_notification(g->peer, Bytes(s.aux.begin(), s.aux.end()));
       send_response(s, Op::kNotifyAck, s.hdr.transfer_id, Status::Ok());
       return Status::Ok();
     }
-    case Op::kReadResponse: return begin_read_response(s);
+    case Op::kReadResponse:
+      return begin_read_response(s);
     case Op::kWriteAck:
     case Op::kNotifyAck: {
       std::shared_ptr<Pending> p;
@@ -594,9 +632,10 @@ Status TcpTransport::on_frame(Stream& s) {
       Status result;
       if (s.hdr.status != 0) {
         result = status_from_wire(
-            s.hdr.status, fmt::format("{} refused {} of transfer {}: {}", peer_name(s),
-                                      s.hdr.op == static_cast<uint8_t>(Op::kWriteAck) ? "write" : "notification",
-                                      s.hdr.transfer_id, std::string(s.aux.begin(), s.aux.end())));
+            s.hdr.status,
+            fmt::format("{} refused {} of transfer {}: {}", peer_name(s),
+                        s.hdr.op == static_cast<uint8_t>(Op::kWriteAck) ? "write" : "notification",
+                        s.hdr.transfer_id, std::string(s.aux.begin(), s.aux.end())));
       }
       on_response(p, result);
       return Status::Ok();
@@ -613,7 +652,8 @@ Status TcpTransport::take_response(Stream& s, Op expect, std::shared_ptr<Pending
   while (!s.pending.empty() && s.pending.front()->dropped) s.pending.pop_front();
   if (s.pending.empty()) {
     return err::ProtocolError(fmt::format("unexpected {} for transfer {}: nothing outstanding",
-                                          op_name(static_cast<uint8_t>(expect)), s.hdr.transfer_id));
+                                          op_name(static_cast<uint8_t>(expect)),
+                                          s.hdr.transfer_id));
   }
   auto& p = s.pending.front();
   if (p->expect != expect || p->transfer->id() != s.hdr.transfer_id) {
@@ -628,7 +668,8 @@ Status TcpTransport::take_response(Stream& s, Op expect, std::shared_ptr<Pending
 }
 
 Status TcpTransport::begin_write(Stream& s) {
-  std::span<const WireSegment> segs(reinterpret_cast<const WireSegment*>(s.aux.data()), s.hdr.count);
+  std::span<const WireSegment> segs(reinterpret_cast<const WireSegment*>(s.aux.data()),
+                                    s.hdr.count);
   uint64_t total = 0;
   if (Status st = check_segments(s.hdr, segs, &total); !st.ok()) return st;
   s.payload.clear();
@@ -657,11 +698,12 @@ Status TcpTransport::begin_write(Stream& s) {
   }
   if (s.write_verdict.ok() && gpu_target) {
     if (total > kGpuFramePayload) {
-      return err::ProtocolError(fmt::format(
-          "WRITE into GPU memory with a {}-byte frame (limit {})", total, kGpuFramePayload));
+      return err::ProtocolError(fmt::format("WRITE into GPU memory with a {}-byte frame (limit {})",
+                                            total, kGpuFramePayload));
     }
     auto path = gpu();
-    auto slot = path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
+    auto slot =
+        path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
     if (!slot.ok()) {
       s.write_verdict = slot.status();
     } else {
@@ -682,7 +724,8 @@ Status TcpTransport::begin_write(Stream& s) {
 }
 
 Status TcpTransport::serve_read(Stream& s) {
-  std::span<const WireSegment> segs(reinterpret_cast<const WireSegment*>(s.aux.data()), s.hdr.count);
+  std::span<const WireSegment> segs(reinterpret_cast<const WireSegment*>(s.aux.data()),
+                                    s.hdr.count);
   uint64_t total = 0;
   if (Status st = check_segments(s.hdr, segs, &total); !st.ok()) return st;
   const TransferId id = s.hdr.transfer_id;
@@ -696,8 +739,8 @@ Status TcpTransport::serve_read(Stream& s) {
   for (const WireSegment& w : segs) {
     RegionPin pin;
     auto addr = ctx_.registry->check_remote(
-        {w.region_id, w.adv_offset, w.adv_length, w.key, w.access, w.offset, w.length},
-        kAccessRead, &pin);
+        {w.region_id, w.adv_offset, w.adv_length, w.key, w.access, w.offset, w.length}, kAccessRead,
+        &pin);
     if (!addr.ok()) {
       send_response(s, Op::kReadResponse, id, addr.status());
       return Status::Ok();
@@ -717,13 +760,15 @@ Status TcpTransport::serve_read(Stream& s) {
   // GPU memory: copy it to a staging slot first; the response keeps its
   // place in the stream's answer order meanwhile.
   if (total > kGpuFramePayload) {
-    send_response(s, Op::kReadResponse, id,
-                  err::InvalidArgument(fmt::format("READ of GPU memory with a {}-byte frame (limit {})",
-                                                   total, kGpuFramePayload)));
+    send_response(
+        s, Op::kReadResponse, id,
+        err::InvalidArgument(fmt::format("READ of GPU memory with a {}-byte frame (limit {})",
+                                         total, kGpuFramePayload)));
     return Status::Ok();
   }
   auto path = gpu();
-  auto slot = path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
+  auto slot =
+      path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
   if (!slot.ok()) {
     send_response(s, Op::kReadResponse, id, slot.status());
     return Status::Ok();
@@ -734,7 +779,8 @@ Status TcpTransport::serve_read(Stream& s) {
   auto self = s.shared_from_this();
   auto frame = std::make_shared<std::unique_ptr<TxFrame>>(std::move(f));
   (*path)->copy_then(std::move(copies), [this, self, d, frame, id](Status st) {
-    complete_deferred(*self, d, st.ok() ? std::move(*frame) : make_response(Op::kReadResponse, id, st));
+    complete_deferred(*self, d,
+                      st.ok() ? std::move(*frame) : make_response(Op::kReadResponse, id, st));
   });
   return Status::Ok();
 }
@@ -744,22 +790,24 @@ Status TcpTransport::begin_read_response(Stream& s) {
   const bool ok = s.hdr.status == 0;
   if (Status st = take_response(s, Op::kReadResponse, &p, !ok); !st.ok()) return st;
   if (!ok) {
-    on_response(p, status_from_wire(s.hdr.status,
-                                    fmt::format("{} refused read of transfer {}: {}", peer_name(s),
-                                                s.hdr.transfer_id,
-                                                std::string(s.aux.begin(), s.aux.end()))));
+    on_response(
+        p, status_from_wire(s.hdr.status, fmt::format("{} refused read of transfer {}: {}",
+                                                      peer_name(s), s.hdr.transfer_id,
+                                                      std::string(s.aux.begin(), s.aux.end()))));
     return Status::Ok();
   }
   if (s.hdr.payload_bytes != p->payload_bytes) {
-    Status bad = err::ProtocolError(fmt::format("READ_RESPONSE for transfer {} carries {} bytes, {} were asked",
-                                                s.hdr.transfer_id, s.hdr.payload_bytes, p->payload_bytes));
+    Status bad = err::ProtocolError(
+        fmt::format("READ_RESPONSE for transfer {} carries {} bytes, {} were asked",
+                    s.hdr.transfer_id, s.hdr.payload_bytes, p->payload_bytes));
     return bad;
   }
   s.discard_left = 0;
   if (!p->gpu_pieces.empty()) {
     // Into GPU memory: receive into a staging slot, copy to the device after.
     auto path = gpu();
-    auto slot = path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
+    auto slot =
+        path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
     if (!slot.ok()) {
       p->transfer->note_error(slot.status());
       s.discard_left = p->payload_bytes;

@@ -110,7 +110,9 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   std::deque<std::shared_ptr<Pending>> pending;
   std::deque<std::shared_ptr<Deferred>> deferred;
   bool want_out = false;
-  std::atomic<bool> dead{false};  // set under tx_mu; the worker reads it unlocked
+  bool cork_pending = false;           // responses queued during a receive pass
+  std::atomic<bool> rx_corked{false};  // the worker is in a receive pass
+  std::atomic<bool> dead{false};       // set under tx_mu; the worker reads it unlocked
   bool closed = false;
 
   // --- receiving side: owning worker only ---
@@ -202,6 +204,7 @@ class TcpTransport final : public Transport {
   void on_accept(int listen_fd);
   // Receives and handles frames until the socket would block.
   void on_readable(Stream& s);
+  void receive_pass(Stream& s);
   void on_writable(Stream& s);
   // Marks the stream and its group failed, fails their transfers, closes fds.
   void fail_stream(Stream& s, const Status& reason);
