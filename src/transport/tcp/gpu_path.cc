@@ -55,6 +55,15 @@ Result<CopyStream*> GpuPath::stream(int device) {
   if (!s) {
     CopyOptions options;
     options.sm_budget = sm_budget_;
+    // Diagnostic knobs (measurement only): FERRY_TCP_GPU_KERNEL_MAX_BLOCK
+    // (bytes) and FERRY_TCP_GPU_BATCH_API (0: one cudaMemcpyAsync per
+    // copy-engine piece instead of cudaMemcpyBatchAsync).
+    if (const char* v = std::getenv("FERRY_TCP_GPU_KERNEL_MAX_BLOCK"); v != nullptr && *v != 0) {
+      options.kernel_max_block = std::strtoull(v, nullptr, 10);
+    }
+    if (const char* v = std::getenv("FERRY_TCP_GPU_BATCH_API"); v != nullptr && *v != 0) {
+      options.use_batch_api = std::strtol(v, nullptr, 10) != 0;
+    }
     auto created = CopyStream::create(device, options);
     if (!created.ok()) return created.status();
     s = std::move(created.value());
