@@ -84,6 +84,16 @@ run_tests() {
   log "C++ tests (ctest)"
   local status=0
   (cd "$BUILD" && ctest --output-on-failure -j2 --timeout 600 "$@") || status=$?
+  log "C++ unit and integration tests again under AddressSanitizer + UBSan"
+  if [ ! -f "$BUILD-asan/build.ninja" ]; then
+    cmake -S "$ROOT" -B "$BUILD-asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DFERRY_SANITIZE=ON -DFERRY_WITH_CUDA=OFF -DFERRY_BUILD_TOOLS=OFF >/dev/null
+  fi
+  if ninja -C "$BUILD-asan" -j"$JOBS" >/dev/null; then
+    (cd "$BUILD-asan" && ctest --output-on-failure -j2 --timeout 600 -L "unit|integration") || status=$?
+  else
+    log "sanitizer build failed"; status=1
+  fi
   log "fuzzing (bounded: ${FERRY_FUZZ_SECONDS:-20} s per target)"
   FERRY_FUZZ_SECONDS=${FERRY_FUZZ_SECONDS:-20} FERRY_FUZZ_BUILD_DIR="$BUILD-fuzz" \
     "$ROOT/tests/fuzz/run.sh" || status=$?
