@@ -2,6 +2,8 @@
 // alternating in one run (loopback, two engines in this process, real
 // sockets). Workload: --block bytes x --batch iovs per WRITE (and READ).
 // Prints one table row per (memory, op) and the ratio GPU / host.
+// --mix also measures one-sided staging (GPU memory on one side only:
+// local GPU / remote host, local host / remote GPU), each against host/host.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -52,8 +54,16 @@ int main(int argc, char** argv) {
   uint64_t block = 1 << 20;
   size_t batch = 16;
   int iters = 40, reps = 5;
+  bool mix = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--mix") mix = true;
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
+    if (a == "--mix") {
+      --i;
+      continue;
+    }
     if (a == "--block") block = std::stoull(argv[i + 1]);
     if (a == "--batch") batch = std::stoull(argv[i + 1]);
     if (a == "--iters") iters = std::stoi(argv[i + 1]);
@@ -82,23 +92,38 @@ int main(int argc, char** argv) {
   const PeerId peer = a->connect(b->metadata()).value();
   const Side host{host_a.data(), b->advertise(rhb.id).value()};
   const Side gpu{static_cast<uint8_t*>(gpu_a), b->advertise(rgb.id).value()};
+  const Side gpu_to_host{static_cast<uint8_t*>(gpu_a), b->advertise(rhb.id).value()};
+  const Side host_to_gpu{host_a.data(), b->advertise(rgb.id).value()};
   std::printf("tcp loopback, %llu B x %zu iovs per call, median of %d runs of %d calls\n",
               static_cast<unsigned long long>(block), batch, reps, iters);
   std::printf("%-6s %-12s %-12s %-8s\n", "op", "host GB/s", "GPU GB/s", "GPU/host");
-  for (bool write : {true, false}) {
-    std::vector<double> h, g;
-    for (int rep = 0; rep < reps; ++rep) {  // alternate: same conditions for both
-      h.push_back(run(*a, peer, host, write, block, batch, iters));
-      g.push_back(run(*a, peer, gpu, write, block, batch, iters));
+  struct Variant {
+    const char* name;
+    const Side* side;
+  };
+  std::vector<Variant> variants = {{"gpu", &gpu}};
+  if (mix) {
+    variants.push_back({"localgpu-remotehost", &gpu_to_host});
+    variants.push_back({"localhost-remotegpu", &host_to_gpu});
+  }
+  for (const Variant& v : variants) {
+    for (bool write : {true, false}) {
+      std::vector<double> h, g;
+      for (int rep = 0; rep < reps; ++rep) {  // alternate: same conditions for both
+        h.push_back(run(*a, peer, host, write, block, batch, iters));
+        g.push_back(run(*a, peer, *v.side, write, block, batch, iters));
+      }
+      std::sort(h.begin(), h.end());
+      std::sort(g.begin(), g.end());
+      const double hm = h[h.size() / 2], gm = g[g.size() / 2];
+      std::printf("%-6s %-12.2f %-12.2f %-8.2f%s\n", write ? "write" : "read", hm, gm, gm / hm,
+                  v.side == &gpu ? "" : (std::string("  ") + v.name).c_str());
+      std::printf(
+          "{\"bench\":\"tcp_gpu\",\"variant\":\"%s\",\"op\":\"%s\",\"block_size\":%llu,"
+          "\"batch\":%zu,\"host_gbps\":%.3f,\"gpu_gbps\":%.3f,\"ratio\":%.3f}\n",
+          v.name, write ? "write" : "read", static_cast<unsigned long long>(block), batch, hm, gm,
+          gm / hm);
     }
-    std::sort(h.begin(), h.end());
-    std::sort(g.begin(), g.end());
-    const double hm = h[h.size() / 2], gm = g[g.size() / 2];
-    std::printf("%-6s %-12.2f %-12.2f %-8.2f\n", write ? "write" : "read", hm, gm, gm / hm);
-    std::printf("{\"bench\":\"tcp_gpu\",\"op\":\"%s\",\"block_size\":%llu,\"batch\":%zu,"
-                "\"host_gbps\":%.3f,\"gpu_gbps\":%.3f,\"ratio\":%.3f}\n",
-                write ? "write" : "read", static_cast<unsigned long long>(block), batch, hm, gm,
-                gm / hm);
   }
   cudaFree(gpu_a);
   cudaFree(gpu_b);

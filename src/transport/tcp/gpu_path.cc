@@ -33,16 +33,25 @@ GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget)
   const size_t n = completion_threads();
   for (size_t i = 0; i < n; ++i) completion_threads_.emplace_back([this] { completion_loop(); });
   job_thread_ = std::thread([this] { job_loop(); });
+  submit_thread_ = std::thread([this] { submit_loop(); });
 }
 
 GpuPath::~GpuPath() {
+  // Jobs may still queue copies, and queued copies still produce waits:
+  // drain in that order.
   {
     std::lock_guard lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  for (auto& t : completion_threads_) t.join();
   job_thread_.join();
+  submit_thread_.join();
+  {
+    std::lock_guard lock(mu_);
+    stop_completion_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : completion_threads_) t.join();
 }
 
 Result<std::unique_ptr<StagingSlot>> GpuPath::acquire_slot() {
@@ -72,29 +81,47 @@ Result<CopyStream*> GpuPath::stream(int device) {
 }
 
 void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done) {
-  Waiting w;
-  w.done = std::move(done);
-  // One submit per device, each a batch on that device's stream.
-  std::map<int, std::vector<CopyBlock>> by_device;
-  for (const auto& c : copies) by_device[c.device].push_back(c.block);
-  for (auto& [device, blocks] : by_device) {
-    auto s = stream(device);
-    if (!s.ok()) {
-      w.submit_error = s.status();
-      break;
-    }
-    auto ticket = (*s)->submit(blocks);
-    if (!ticket.ok()) {
-      w.submit_error = ticket.status();
-      break;
-    }
-    w.tickets.emplace_back(*s, *ticket);
-  }
   {
     std::lock_guard lock(mu_);
-    waiting_.push_back(std::move(w));
+    submits_.push_back(Submit{std::move(copies), std::move(done)});
   }
   cv_.notify_all();
+}
+
+void GpuPath::submit_loop() {
+  for (;;) {
+    Submit job;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !submits_.empty(); });
+      if (submits_.empty()) return;
+      job = std::move(submits_.front());
+      submits_.pop_front();
+    }
+    Waiting w;
+    w.done = std::move(job.done);
+    // One submit per device, each a batch on that device's stream.
+    std::map<int, std::vector<CopyBlock>> by_device;
+    for (const auto& c : job.copies) by_device[c.device].push_back(c.block);
+    for (auto& [device, blocks] : by_device) {
+      auto s = stream(device);
+      if (!s.ok()) {
+        w.submit_error = s.status();
+        break;
+      }
+      auto ticket = (*s)->submit(blocks);
+      if (!ticket.ok()) {
+        w.submit_error = ticket.status();
+        break;
+      }
+      w.tickets.emplace_back(*s, *ticket);
+    }
+    {
+      std::lock_guard lock(mu_);
+      waiting_.push_back(std::move(w));
+    }
+    cv_.notify_all();
+  }
 }
 
 void GpuPath::run(std::function<void()> job) {
@@ -110,7 +137,7 @@ void GpuPath::completion_loop() {
     Waiting w;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !waiting_.empty(); });
+      cv_.wait(lock, [&] { return stop_completion_ || !waiting_.empty(); });
       if (waiting_.empty()) return;
       w = std::move(waiting_.front());
       waiting_.pop_front();
