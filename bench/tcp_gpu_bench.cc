@@ -2,7 +2,7 @@
 // alternating in one run (loopback, two engines in this process, real
 // sockets). Workload: --block bytes x --batch iovs per WRITE (and READ).
 // Prints one table row per (memory, op) and the ratio GPU / host.
-// --mix also measures one-sided staging (GPU memory on one side only:
+// --read-only skips the writes. --mix also measures one-sided staging (GPU memory on one side only:
 // local GPU / remote host, local host / remote GPU), each against host/host.
 #include <cuda_runtime_api.h>
 
@@ -54,13 +54,14 @@ int main(int argc, char** argv) {
   uint64_t block = 1 << 20;
   size_t batch = 16;
   int iters = 40, reps = 5;
-  bool mix = false;
+  bool mix = false, read_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--mix") mix = true;
+    if (std::string(argv[i]) == "--read-only") read_only = true;
   }
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
-    if (a == "--mix") {
+    if (a == "--mix" || a == "--read-only") {
       --i;
       continue;
     }
@@ -108,6 +109,7 @@ int main(int argc, char** argv) {
   }
   for (const Variant& v : variants) {
     for (bool write : {true, false}) {
+      if (write && read_only) continue;
       std::vector<double> h, g;
       for (int rep = 0; rep < reps; ++rep) {  // alternate: same conditions for both
         h.push_back(run(*a, peer, host, write, block, batch, iters));

@@ -1,5 +1,7 @@
 #include "transport/tcp/gpu_path.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 
 #include "fmt/format.h"
@@ -30,6 +32,9 @@ Result<std::unique_ptr<GpuPath>> GpuPath::create(size_t staging_bytes, uint32_t 
 
 GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget)
     : pool_(std::move(pool)), sm_budget_(sm_budget) {
+  if (const char* v = std::getenv("FERRY_TCP_GPU_TRACE"); v != nullptr && *v == '1') {
+    tracing_ = true;
+  }
   const size_t n = completion_threads();
   for (size_t i = 0; i < n; ++i) completion_threads_.emplace_back([this] { completion_loop(); });
   job_thread_ = std::thread([this] { job_loop(); });
@@ -52,6 +57,32 @@ GpuPath::~GpuPath() {
   }
   cv_.notify_all();
   for (auto& t : completion_threads_) t.join();
+  if (tracing_ && !trace_.empty()) {
+    const char* names[4] = {"queued for submit", "in submit", "submit end to seen done",
+                            "in callback"};
+    std::fprintf(stderr, "ferry tcp gpu trace: %zu frames (us: p50 / p90 / p99 / max)\n",
+                 trace_.size());
+    for (size_t k = 0; k < 4; ++k) {
+      std::vector<float> v;
+      v.reserve(trace_.size());
+      for (const auto& t : trace_) v.push_back(t[k]);
+      std::sort(v.begin(), v.end());
+      auto at = [&](double q) {
+        return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+      };
+      std::fprintf(stderr, "  %-24s %8.1f %8.1f %8.1f %8.1f\n", names[k], at(0.5), at(0.9),
+                   at(0.99), v.back());
+    }
+  }
+}
+
+void GpuPath::trace(const Waiting& w, Clock::time_point seen, Clock::time_point returned) {
+  auto us = [](Clock::duration d) {
+    return static_cast<float>(std::chrono::duration<double, std::micro>(d).count());
+  };
+  std::lock_guard lock(trace_mu_);
+  trace_.push_back({us(w.submit_begin - w.queued), us(w.submit_end - w.submit_begin),
+                    us(seen - w.submit_end), us(returned - seen)});
 }
 
 Result<std::unique_ptr<StagingSlot>> GpuPath::acquire_slot() {
@@ -83,7 +114,7 @@ Result<CopyStream*> GpuPath::stream(int device) {
 void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done) {
   {
     std::lock_guard lock(mu_);
-    submits_.push_back(Submit{std::move(copies), std::move(done)});
+    submits_.push_back(Submit{std::move(copies), std::move(done), Clock::now()});
   }
   cv_.notify_all();
 }
@@ -100,6 +131,8 @@ void GpuPath::submit_loop() {
     }
     Waiting w;
     w.done = std::move(job.done);
+    w.queued = job.queued;
+    w.submit_begin = Clock::now();
     // One submit per device, each a batch on that device's stream.
     std::map<int, std::vector<CopyBlock>> by_device;
     for (const auto& c : job.copies) by_device[c.device].push_back(c.block);
@@ -116,6 +149,7 @@ void GpuPath::submit_loop() {
       }
       w.tickets.emplace_back(*s, *ticket);
     }
+    w.submit_end = Clock::now();
     {
       std::lock_guard lock(mu_);
       waiting_.push_back(std::move(w));
@@ -150,7 +184,9 @@ void GpuPath::completion_loop() {
     if (!status.ok()) {
       status = Status(status.code(), "GPU staging copy failed: " + status.message());
     }
+    const auto seen = Clock::now();
     w.done(status);
+    if (tracing_) trace(w, seen, Clock::now());
   }
 }
 

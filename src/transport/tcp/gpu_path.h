@@ -13,6 +13,8 @@
 // queue, each frame carries its own pending entry).
 #pragma once
 
+#include <array>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -63,15 +65,25 @@ class GpuPath {
   void submit_loop();
   Status wait(CopyStream* stream, uint64_t ticket);
 
+  using Clock = std::chrono::steady_clock;
   struct Submit {
     std::vector<DeviceCopy> copies;
     std::function<void(Status)> done;
+    Clock::time_point queued;
   };
   struct Waiting {
     std::vector<std::pair<CopyStream*, uint64_t>> tickets;
     Status submit_error;
     std::function<void(Status)> done;
+    Clock::time_point queued, submit_begin, submit_end;
   };
+  // FERRY_TCP_GPU_TRACE=1: per frame, microseconds queued for the submit
+  // thread, inside submit, until the copy was seen done, inside the callback;
+  // summarized on stderr when the path is destroyed (diagnostic).
+  void trace(const Waiting& w, Clock::time_point seen, Clock::time_point returned);
+  bool tracing_ = false;
+  std::mutex trace_mu_;
+  std::vector<std::array<float, 4>> trace_;
 
   std::unique_ptr<StagingPool> pool_;
   uint32_t sm_budget_;
