@@ -66,6 +66,24 @@ void cut_frames(const std::vector<Segment>& segments, uint64_t chunk, uint32_t m
   if (frame_bytes > 0) close();
 }
 
+uint64_t total_bytes(const std::vector<Segment>& segments) {
+  uint64_t n = 0;
+  for (const Segment& seg : segments) n += seg.length;
+  return n;
+}
+
+// A transfer smaller than one chunk per stream is cut finer, so that every
+// stream (and the target's I/O thread behind it) carries a share: a blocking
+// 1 MiB write over 2 streams goes as 2 x 512 KiB frames received in parallel,
+// not as one 1 MiB frame on one stream (2.8 -> 3.8 GB/s measured).
+uint64_t stripe_chunk(uint64_t chunk, uint64_t total, size_t streams) {
+  constexpr uint64_t kMinStripe = 512 << 10;  // smaller shares lost (256 KiB: 2.15 -> 1.62 GB/s)
+  if (streams <= 1 || total >= chunk * streams) return chunk;
+  uint64_t share = (total + streams - 1) / streams;
+  share = (share + 4095) & ~uint64_t{4095};
+  return std::clamp<uint64_t>(share, std::min(kMinStripe, chunk), chunk);
+}
+
 Status status_from_wire(uint32_t code, std::string message) {
   return Status(static_cast<StatusCode>(code), std::move(message));
 }
@@ -117,8 +135,9 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
     if (auto g = gpu(); !g.ok()) return g.status();
   }
   // Frames touching GPU memory on either side fit one staging slot.
-  const uint64_t chunk =
-      gpu_involved ? std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload) : opt_.chunk_bytes;
+  const uint64_t chunk = stripe_chunk(
+      gpu_involved ? std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload) : opt_.chunk_bytes,
+      total_bytes(segments), group->streams.size());
   std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> built;
   std::unique_ptr<TxFrame> f;
   std::vector<Piece> pieces;
@@ -223,8 +242,9 @@ Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& tra
   if (gpu_involved) {
     if (auto g = gpu(); !g.ok()) return g.status();
   }
-  const uint64_t chunk =
-      gpu_involved ? std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload) : opt_.chunk_bytes;
+  const uint64_t chunk = stripe_chunk(
+      gpu_involved ? std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload) : opt_.chunk_bytes,
+      total_bytes(segments), group->streams.size());
   std::vector<std::unique_ptr<TxFrame>> frames;
   std::unique_ptr<TxFrame> f;
   std::shared_ptr<Pending> p;
