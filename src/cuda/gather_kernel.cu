@@ -201,6 +201,158 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   copy_descs<H, true>(descs.d, count, g, sm_mask);
 }
 
+// ---- kBulk: host-source blocks through the TMA unit -------------------------
+//
+// Each warp owns two 4 KiB shared-memory stages with an mbarrier each. Lane 0
+// issues cp.async.bulk (global -> shared, completing on the stage's mbarrier)
+// for the next piece while the warp stores the current one to its (device)
+// destination with 16-byte stores. Only pieces whose source, destination and
+// size are 16-byte aligned go this way; everything else uses warp_copy.
+constexpr uint32_t kBulkThreads = 512;  // 16 warps
+constexpr uint32_t kBulkPiece = 4096;
+constexpr uint32_t kBulkSmem = (kBulkThreads / 32) * 2 * kBulkPiece;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void bulk_load(uint32_t dst_smem, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst_smem),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t phase) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, "
+        "1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(phase)
+        : "memory");
+  }
+}
+#endif
+
+// One warp's pipeline over bulk pieces: pieces are (dst, src, bytes) taken in
+// order from the warp's descriptors.
+struct BulkWarp {
+  uint8_t* buf[2];
+  uint32_t bar[2];
+  uint32_t phase[2];
+  // Pending piece per stage (valid when bytes != 0).
+  uint8_t* dst[2];
+  uint32_t bytes[2];
+  uint32_t next;  // stage the next load goes to
+};
+
+template <bool kInline>
+__device__ void copy_descs_bulk(const CopyDesc* descs, uint32_t count, uint32_t g,
+                                uint32_t* sm_mask) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t bulk_smem[];
+  __shared__ __align__(8) uint64_t bars[kBulkThreads / 32][2];
+  if (sm_mask != nullptr && threadIdx.x == 0) {
+    uint32_t smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    atomicOr(&sm_mask[(smid >> 5) & 7], 1u << (smid & 31));
+  }
+  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t warp = threadIdx.x >> 5;
+  BulkWarp w;
+  for (int k = 0; k < 2; ++k) {
+    w.buf[k] = bulk_smem + (warp * 2 + k) * kBulkPiece;
+    w.bar[k] = smem_addr(&bars[warp][k]);
+    w.phase[k] = 0;
+    w.bytes[k] = 0;
+    w.dst[k] = nullptr;
+  }
+  w.next = 0;
+  if (lane == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(w.bar[0]) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(w.bar[1]) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  // Drains the stage `k`: waits for its load, stores it with the warp.
+  auto drain = [&](int k) {
+    if (w.bytes[k] == 0) return;
+    bar_wait(w.bar[k], w.phase[k]);
+    w.phase[k] ^= 1;
+    const uint4* s = reinterpret_cast<const uint4*>(w.buf[k]);
+    uint4* d = reinterpret_cast<uint4*>(w.dst[k]);
+    const uint32_t n = w.bytes[k] / 16;
+    for (uint32_t i = lane; i < n; i += 32) __stcs(d + i, s[i]);
+    w.bytes[k] = 0;
+    __syncwarp();
+    // The async proxy writes this buffer next; order the generic reads first.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  };
+  const uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
+  const uint32_t groups = (count + g - 1) / g;
+  const auto* words = reinterpret_cast<const uint64_t*>(descs);
+  uint32_t grp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (grp < groups) {
+    uint64_t cur = load_group_word<kInline>(words, count, grp, lane, g);
+    for (;;) {
+      const uint32_t nx = grp + nwarps;
+      const uint64_t nxt = nx < groups ? load_group_word<kInline>(words, count, nx, lane, g) : 0;
+      const uint32_t n = min(g, count - grp * g);
+      for (uint32_t k = 0; k < n; ++k) {
+        CopyDesc c;
+        c.dst = __shfl_sync(0xffffffffu, cur, 3 * k);
+        c.src = __shfl_sync(0xffffffffu, cur, 3 * k + 1);
+        c.size = __shfl_sync(0xffffffffu, cur, 3 * k + 2);
+        const uint64_t bytes = c.size & ~kSrcIsHost;
+        const bool bulk = (c.size & kSrcIsHost) != 0 && ((c.dst | c.src | bytes) & 15) == 0;
+        if (!bulk) {
+          warp_copy<HostLoad::kFetchAgain>(c, lane);
+          continue;
+        }
+        for (uint64_t off = 0; off < bytes; off += kBulkPiece) {
+          const uint32_t piece =
+              static_cast<uint32_t>(bytes - off < kBulkPiece ? bytes - off : kBulkPiece);
+          const int st = static_cast<int>(w.next);
+          drain(st);  // the stage's previous piece (two pieces ago)
+          if (lane == 0) {
+            bulk_load(smem_addr(w.buf[st]), reinterpret_cast<const uint8_t*>(c.src) + off, piece,
+                      w.bar[st]);
+          }
+          w.dst[st] = reinterpret_cast<uint8_t*>(c.dst) + off;
+          w.bytes[st] = piece;
+          w.next ^= 1;
+        }
+      }
+      if (nx >= groups) break;
+      cur = nxt;
+      grp = nx;
+    }
+  }
+  drain(static_cast<int>(w.next));
+  drain(static_cast<int>(w.next ^ 1));
+#else
+  copy_descs<HostLoad::kFetchAgain, kInline>(descs, count, g, sm_mask);
+#endif
+}
+
+__global__ void __launch_bounds__(kBulkThreads, 1)
+    gather_bulk_kernel(const CopyDesc* descs, uint32_t count, uint32_t g, uint32_t* sm_mask) {
+  copy_descs_bulk<false>(descs, count, g, sm_mask);
+}
+
+__global__ void __launch_bounds__(kBulkThreads, 1)
+    gather_bulk_inline_kernel(const __grid_constant__ InlineDescs descs, uint32_t count, uint32_t g,
+                              uint32_t* sm_mask) {
+  copy_descs_bulk<true>(descs.d, count, g, sm_mask);
+}
+
 template <HostLoad H>
 void launch(const CopyDesc* host_descs, const CopyDesc* dev_descs, uint32_t count, uint32_t grid,
             uint32_t threads, uint32_t g, uint32_t* sm_mask, cudaStream_t stream) {
@@ -231,6 +383,33 @@ cudaError_t launch_gather(const CopyDesc* host_descs, const CopyDesc* dev_descs,
   const uint32_t warps = grid * threads / 32;
   uint32_t g = kMaxGroup;
   while (g > 1 && count < warps * g * 2) g /= 2;
+  if (config.host_load == HostLoad::kBulk) {
+    static const cudaError_t attr = [] {
+      cudaError_t e = cudaFuncSetAttribute(gather_bulk_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmem);
+      if (e == cudaSuccess) {
+        e = cudaFuncSetAttribute(gather_bulk_inline_kernel,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmem);
+      }
+      return e;
+    }();
+    if (attr != cudaSuccess) return attr;
+    constexpr uint32_t kBulkWarps = kBulkThreads / 32;
+    uint32_t bgrid = (count + kBulkWarps - 1) / kBulkWarps;
+    if (bgrid > max_ctas) bgrid = max_ctas;
+    const uint32_t bwarps = bgrid * kBulkWarps;
+    uint32_t bg = kMaxGroup;
+    while (bg > 1 && count < bwarps * bg * 2) bg /= 2;
+    if (count <= kInlineDescs) {
+      InlineDescs p;
+      for (uint32_t k = 0; k < count; ++k) p.d[k] = host_descs[k];
+      gather_bulk_inline_kernel<<<bgrid, kBulkThreads, kBulkSmem, stream>>>(p, count, bg, sm_mask);
+    } else {
+      gather_bulk_kernel<<<bgrid, kBulkThreads, kBulkSmem, stream>>>(dev_descs, count, bg, sm_mask);
+    }
+    if (ctas != nullptr) *ctas = bgrid;
+    return cudaGetLastError();
+  }
   switch (config.host_load) {
     case HostLoad::kStreaming:
       launch<HostLoad::kStreaming>(host_descs, dev_descs, count, grid, threads, g, sm_mask, stream);
