@@ -211,9 +211,6 @@ int main(int argc, char** argv) {
   // The launch schedule before 2026-11-23 (first slice 1024, 4x growth).
   add_ferry("ferry-slices-1024x4", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_SLICES",
             "1024,4,32768");
-  // Host-source blocks through the TMA unit (sm_90, experimental).
-  add_ferry("ferry-bulk", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_HOST_LOAD", "bulk");
-  add_ferry("ferry-sm8-bulk", 8, 0, "FERRY_GATHER_HOST_LOAD", "bulk");
   if (args.extra) {
     add_ferry("ferry-slices-128x2", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_SLICES",
               "128,2,32768");

@@ -61,7 +61,7 @@ constexpr size_t kDescAlign = 16;
 constexpr size_t kMaxPending = 1024;
 
 // Diagnostic knobs, read when a stream is created (docs/gpu.md):
-//   FERRY_GATHER_HOST_LOAD = cv | cs | pf256 | bulk   how the kernel reads host memory
+//   FERRY_GATHER_HOST_LOAD = cv | cs | pf256   how the kernel reads host memory
 //   FERRY_GATHER_CE_EVERY  = n                 every n-th kernel block to the copy engine
 //   FERRY_GATHER_SLICES    = first,growth,max  launch schedule of a large batch
 struct Knobs {
@@ -82,11 +82,8 @@ Result<Knobs> read_knobs() {
       k.gather.host_load = cuda::HostLoad::kStreaming;
     } else if (s == "pf256") {
       k.gather.host_load = cuda::HostLoad::kPrefetch256;
-    } else if (s == "bulk") {
-      k.gather.host_load = cuda::HostLoad::kBulk;
     } else {
-      return err::InvalidArgument("FERRY_GATHER_HOST_LOAD=" + s +
-                                  ": expected cv, cs, pf256 or bulk");
+      return err::InvalidArgument("FERRY_GATHER_HOST_LOAD=" + s + ": expected cv, cs or pf256");
     }
   }
   if (const char* v = std::getenv("FERRY_GATHER_CE_EVERY"); v != nullptr && *v != 0) {

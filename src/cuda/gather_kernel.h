@@ -29,9 +29,6 @@ enum class HostLoad : uint8_t {
   kFetchAgain = 0,  // ld.global.cv
   kStreaming,       // ld.global.cs
   kPrefetch256,     // ld.global.L2::256B (asks L2 for 256-byte fetches)
-  kBulk,            // sm_90: cp.async.bulk (TMA) into shared memory, 4 KiB pieces, two
-                    // stages per warp; 16-byte aligned host-source blocks only, the
-                    // rest as kFetchAgain. Experimental (FERRY_GATHER_HOST_LOAD=bulk).
 };
 struct GatherConfig {
   HostLoad host_load = HostLoad::kFetchAgain;
