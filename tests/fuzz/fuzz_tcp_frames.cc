@@ -12,6 +12,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -40,7 +42,8 @@ Target& target() {
     t->desc = t->engine->advertise(region.id).value();
     const std::string listen = t->engine->listen_address();
     t->address.sin_family = AF_INET;
-    t->address.sin_port = htons(static_cast<uint16_t>(std::stoi(listen.substr(listen.rfind(':') + 1))));
+    t->address.sin_port =
+        htons(static_cast<uint16_t>(std::stoi(listen.substr(listen.rfind(':') + 1))));
     inet_pton(AF_INET, "127.0.0.1", &t->address.sin_addr);
     return t;
   }();
@@ -78,7 +81,8 @@ std::vector<uint8_t> build_stream(FuzzedDataProvider& in, const Target& t) {
       s.length = in.ConsumeIntegralInRange<uint64_t>(0, 4096);
       total += s.length;
     }
-    h.aux_bytes = in.ConsumeBool() ? h.count * sizeof(WireSegment) : in.ConsumeIntegralInRange<uint32_t>(0, 512);
+    h.aux_bytes = in.ConsumeBool() ? h.count * sizeof(WireSegment)
+                                   : in.ConsumeIntegralInRange<uint32_t>(0, 512);
     h.payload_bytes = in.ConsumeBool() ? total : in.ConsumeIntegralInRange<uint64_t>(0, 8192);
     append(out, &h, sizeof h);
     if (!segs.empty()) append(out, segs.data(), segs.size() * sizeof(WireSegment));
@@ -97,7 +101,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<uint8_t> stream = build_stream(in, t);
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) std::abort();
+  // The engine closes first, so every run leaves a TIME_WAIT entry; thousands
+  // of runs a second would use up one source address's ports. Spread the
+  // source over 127.0.0.0/8.
+  static uint32_t runs = 0;
+  ++runs;
+  sockaddr_in source{};
+  source.sin_family = AF_INET;
+  source.sin_addr.s_addr = htonl((127u << 24) | (((runs >> 8) % 250 + 1) << 8) | (runs % 250 + 1));
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&source), sizeof source) != 0) {
+    std::fprintf(stderr, "fuzz: bind to a loopback source failed: %s\n", std::strerror(errno));
+    std::abort();
+  }
   if (::connect(fd, reinterpret_cast<const sockaddr*>(&t.address), sizeof t.address) != 0) {
+    std::fprintf(stderr, "fuzz: connect failed: %s\n", std::strerror(errno));
     std::abort();  // the engine stopped accepting connections
   }
   size_t sent = 0;
