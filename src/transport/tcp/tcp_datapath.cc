@@ -348,6 +348,14 @@ bool TcpTransport::enqueue_on(Stream& s, std::unique_ptr<TxFrame> frame) {
 // ------------------------------------------------------------------ send ---
 
 bool TcpTransport::flush_locked(Stream& s, Status* error) {
+  if (!s.deferred.empty()) {
+    // Responses whose GPU copies finished may go, in request order.
+    std::lock_guard g(s.def_mu);
+    while (!s.deferred.empty() && s.deferred.front()->ready) {
+      s.txq.push_back(std::move(s.deferred.front()->frame));
+      s.deferred.pop_front();
+    }
+  }
   iovec iov[kMaxIov];
   while (!s.txq.empty()) {
     TxFrame& f = *s.txq.front();
@@ -448,19 +456,26 @@ std::shared_ptr<Deferred> TcpTransport::defer(Stream& s) {
 
 void TcpTransport::complete_deferred(Stream& s, const std::shared_ptr<Deferred>& d,
                                      std::unique_ptr<TxFrame> frame) {
-  Status error;
-  bool ok = true;
   {
-    std::lock_guard lock(s.tx_mu);
+    std::lock_guard g(s.def_mu);
     if (s.dead) return;
     d->frame = std::move(frame);
     d->ready = true;
-    while (!s.deferred.empty() && s.deferred.front()->ready) {
-      s.txq.push_back(std::move(s.deferred.front()->frame));
-      s.deferred.pop_front();
-    }
-    ok = flush_locked(s, &error);
   }
+  // Called from GPU completion threads. Never wait for tx_mu here: its holder
+  // may be sending megabytes, and a completion thread stuck behind it delays
+  // every other copy's completion (measured: p90 ~1 ms per callback). If the
+  // stream is busy, its I/O thread sends the response instead.
+  std::unique_lock lock(s.tx_mu, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    std::lock_guard g(s.def_mu);  // fail_stream waits on def_mu: the worker is alive
+    if (!s.dead) s.worker->request_flush(s.shared_from_this());
+    return;
+  }
+  if (s.dead) return;
+  Status error;
+  const bool ok = flush_locked(s, &error);
+  lock.unlock();
   if (!ok) fail_stream(s, error);
 }
 

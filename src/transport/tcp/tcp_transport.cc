@@ -74,6 +74,7 @@ void Worker::stop() {
   thread_.join();
   std::lock_guard lock(mu_);
   streams_.clear();
+  flush_requests_.clear();
 }
 
 void Worker::adopt(const std::shared_ptr<Stream>& stream) {
@@ -92,6 +93,15 @@ void Worker::adopt(const std::shared_ptr<Stream>& stream) {
   ev.events = EPOLLIN;
   ev.data.ptr = static_cast<EpollTag*>(stream.get());
   epoll_ctl(epfd_, EPOLL_CTL_ADD, stream->fd, &ev);
+}
+
+void Worker::request_flush(std::shared_ptr<Stream> stream) {
+  {
+    std::lock_guard lock(mu_);
+    flush_requests_.push_back(std::move(stream));
+  }
+  uint64_t one = 1;
+  [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
 }
 
 void Worker::watch_listener(int fd) {
@@ -136,6 +146,14 @@ void Worker::run() {
       if (s->closed) continue;
       if (events[i].events & EPOLLOUT) transport_.on_writable(*s);
       if (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) transport_.on_readable(*s);
+    }
+    std::vector<std::shared_ptr<Stream>> to_flush;
+    {
+      std::lock_guard lock(mu_);
+      to_flush.swap(flush_requests_);
+    }
+    for (auto& s : to_flush) {
+      if (!s->closed) transport_.on_writable(*s);
     }
     timeout_ms = handshaking_.load() ? expire_handshakes() : -1;
     // Drop closed streams only after the batch: later events may name them.
@@ -537,6 +555,11 @@ void TcpTransport::fail_stream(Stream& s, const Status& reason) {
     pending.swap(s.pending);
     s.deferred.clear();
     if (!s.closed) ::shutdown(s.fd, SHUT_RDWR);
+  }
+  {
+    // A GPU completion thread between its dead check and request_flush()
+    // finishes before we go on (the worker may be destroyed after us).
+    std::lock_guard g(s.def_mu);
   }
   auto group = s.group.lock();
   const std::string who = peer_name(s);

@@ -84,7 +84,7 @@ struct TxFrame {
 // A response whose place in the stream's answer order is reserved while GPU
 // copies finish (responses must leave in request order).
 struct Deferred {
-  bool ready = false;
+  bool ready = false;  // guarded by Stream::def_mu (the deque itself by tx_mu)
   std::unique_ptr<TxFrame> frame;
 };
 
@@ -109,6 +109,9 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   std::deque<std::unique_ptr<TxFrame>> txq;
   std::deque<std::shared_ptr<Pending>> pending;
   std::deque<std::shared_ptr<Deferred>> deferred;
+  // Completing a deferred response takes only def_mu (taken after tx_mu when
+  // both are held), so GPU completion threads never wait behind a sender.
+  std::mutex def_mu;
   bool want_out = false;
   bool cork_pending = false;           // responses queued during a receive pass
   std::atomic<bool> rx_corked{false};  // the worker is in a receive pass
@@ -152,6 +155,8 @@ class Worker {
   void stop();
   void adopt(const std::shared_ptr<Stream>& stream);
   void watch_listener(int fd);
+  // Asks the loop to flush the stream (its tx_mu was busy); any thread.
+  void request_flush(std::shared_ptr<Stream> stream);
   // Called with s.tx_mu held: tracks EPOLLOUT interest.
   void want_writable(Stream& s, bool on);
   int index() const { return index_; }
@@ -174,7 +179,9 @@ class Worker {
   std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::unordered_map<Stream*, std::shared_ptr<Stream>> streams_;
-  std::atomic<uint32_t> handshaking_{0};  // accepted streams adopted in kHello
+  std::atomic<uint32_t> handshaking_{0};
+  std::vector<std::shared_ptr<Stream>>
+      flush_requests_;  // guarded by mu_  // accepted streams adopted in kHello
   std::vector<uint8_t> discard_;
 };
 
