@@ -457,6 +457,16 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
         }
         const Span& s = *r.value();
         const uint64_t a = reinterpret_cast<uint64_t>(p);
+        const bool other_gpu = s.type != CudaMemoryType::kPinnedHost &&
+                               s.type != CudaMemoryType::kPageableHost &&
+                               s.type != CudaMemoryType::kManaged && s.device != device;
+        if (other_gpu) {
+          // Peer GPU memory: the copy engine reaches it without peer mappings
+          // (without peer access its device pointer here is NULL, which is not
+          // "unmapped host memory"). Checked first for that reason.
+          to_kernel = false;
+          continue;
+        }
         if (s.type == CudaMemoryType::kPageableHost || !s.mapped) {
           return abandon(err::InvalidArgument(
               "block " + std::to_string(i) + ": " + name + " " + hex(p) + " is " +
@@ -472,15 +482,8 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
                               std::string(cuda_memory_type_name(s.type)) + " allocation (ends at " +
                               hex(reinterpret_cast<const void*>(s.hi)) + ")"));
         }
-        const bool other_gpu = s.type != CudaMemoryType::kPinnedHost &&
-                               s.type != CudaMemoryType::kManaged && s.device != device;
-        if (other_gpu) {
-          to_kernel = false;  // peer GPU memory: the copy engine reaches it without peer mappings
-        } else {
-          (side == 0 ? dst_dev : src_dev) =
-              static_cast<uint64_t>(static_cast<int64_t>(a) + s.delta);
-          if (side == 1) src_host = s.type == CudaMemoryType::kPinnedHost;
-        }
+        (side == 0 ? dst_dev : src_dev) = static_cast<uint64_t>(static_cast<int64_t>(a) + s.delta);
+        if (side == 1) src_host = s.type == CudaMemoryType::kPinnedHost;
       }
     }
     if (!to_kernel) {
