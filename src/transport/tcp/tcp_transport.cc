@@ -79,12 +79,15 @@ void Worker::stop() {
 
 void Worker::adopt(const std::shared_ptr<Stream>& stream) {
   stream->worker = this;
+  const bool handshaking = stream->rx == Stream::Rx::kHello;
   {
     std::lock_guard lock(mu_);
     streams_[stream.get()] = stream;
+    // Under mu_, so expire_handshakes() (which recounts under mu_) cannot
+    // overwrite this increment with a count taken before the stream arrived.
+    if (handshaking) handshaking_.fetch_add(1);
   }
-  if (stream->rx == Stream::Rx::kHello) {
-    handshaking_.fetch_add(1);
+  if (handshaking) {
     // The loop may be asleep with no timeout: wake it to arm the check.
     uint64_t one = 1;
     [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
@@ -179,8 +182,8 @@ int Worker::expire_handshakes() {
         ++waiting;
       }
     }
+    handshaking_.store(waiting);
   }
-  handshaking_.store(waiting);
   for (auto& s : expired) transport_.expire_handshake(*s);
   return waiting ? kCheckEveryMs : -1;
 }
