@@ -127,6 +127,7 @@ void Worker::want_writable(Stream& s, bool on) {
 void Worker::run() {
   epoll_event events[64];
   int timeout_ms = -1;
+  auto next_handshake_check = std::chrono::steady_clock::time_point{};
   while (!stop_.load(std::memory_order_relaxed)) {
     const int n = epoll_wait(epfd_, events, 64, timeout_ms);
     if (n < 0) {
@@ -158,7 +159,22 @@ void Worker::run() {
     for (auto& s : to_flush) {
       if (!s->closed) transport_.on_writable(*s);
     }
-    timeout_ms = handshaking_.load() ? expire_handshakes() : -1;
+    // The scan runs at most every kHandshakeCheck, not on every wake-up of a
+    // busy loop that also has a handshake pending.
+    if (!handshaking_.load()) {
+      timeout_ms = -1;
+    } else {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= next_handshake_check) {
+        next_handshake_check = now + kHandshakeCheck;
+        expire_handshakes();
+      }
+      timeout_ms = handshaking_.load()
+                       ? static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(
+                                              next_handshake_check - now)
+                                              .count())
+                       : -1;
+    }
     // Drop closed streams only after the batch: later events may name them.
     std::lock_guard lock(mu_);
     for (auto it = streams_.begin(); it != streams_.end();) {
@@ -167,8 +183,7 @@ void Worker::run() {
   }
 }
 
-int Worker::expire_handshakes() {
-  constexpr int kCheckEveryMs = 100;
+void Worker::expire_handshakes() {
   const auto now = std::chrono::steady_clock::now();
   std::vector<std::shared_ptr<Stream>> expired;
   uint32_t waiting = 0;
@@ -185,7 +200,6 @@ int Worker::expire_handshakes() {
     handshaking_.store(waiting);
   }
   for (auto& s : expired) transport_.expire_handshake(*s);
-  return waiting ? kCheckEveryMs : -1;
 }
 
 // ------------------------------------------------------------- lifecycle ---

@@ -165,9 +165,10 @@ class Worker {
 
  private:
   void run();
-  // Closes accepted streams whose Hello did not arrive in time; returns the
-  // epoll timeout until the next check (-1: nothing is handshaking).
-  int expire_handshakes();
+  // Closes accepted streams whose Hello did not arrive in time and recounts
+  // those still handshaking.
+  void expire_handshakes();
+  static constexpr std::chrono::milliseconds kHandshakeCheck{100};
   TcpTransport& transport_;
   const int index_;
   int epfd_ = -1;
