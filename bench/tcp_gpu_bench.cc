@@ -4,12 +4,17 @@
 // Prints one table row per (memory, op) and the ratio GPU / host.
 // --read-only skips the writes. --mix also measures one-sided staging (GPU memory on one side only:
 // local GPU / remote host, local host / remote GPU), each against host/host.
+// --depth N (N > 1) adds, beside each blocking row, a row with N async calls in
+// flight (write_async/read_async, a new one started as the oldest completes),
+// host and GPU alike; the calls in flight share the same buffers (throughput
+// only, the bytes are not checked).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <string>
 #include <vector>
 
@@ -27,7 +32,7 @@ struct Side {
 };
 
 double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block, size_t batch,
-           int iters) {
+           int iters, int depth) {
   std::vector<LocalIov> l(batch);
   std::vector<RemoteIov> r(batch);
   for (size_t i = 0; i < batch; ++i) {
@@ -41,9 +46,36 @@ double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block,
       std::exit(1);
     }
   };
+  auto start = [&] {
+    Result<TransferId> t = write ? e.write_async(peer, l, r) : e.read_async(peer, l, r);
+    if (!t.ok()) {
+      std::fprintf(stderr, "transfer failed to start: %s\n", t.status().to_string().c_str());
+      std::exit(1);
+    }
+    return t.value();
+  };
+  auto finish = [&](TransferId t) {
+    Status s = e.wait(t, std::chrono::seconds(60));
+    if (!s.ok()) {
+      std::fprintf(stderr, "transfer failed: %s\n", s.to_string().c_str());
+      std::exit(1);
+    }
+  };
   for (int i = 0; i < 3; ++i) once();
   const auto t0 = Clock::now();
-  for (int i = 0; i < iters; ++i) once();
+  if (depth <= 1) {
+    for (int i = 0; i < iters; ++i) once();
+  } else {
+    std::deque<TransferId> q;
+    for (int i = 0; i < iters; ++i) {
+      if (q.size() == static_cast<size_t>(depth)) {
+        finish(q.front());
+        q.pop_front();
+      }
+      q.push_back(start());
+    }
+    for (TransferId t : q) finish(t);
+  }
   const double s = std::chrono::duration<double>(Clock::now() - t0).count();
   return static_cast<double>(block) * batch * iters / s / 1e9;
 }
@@ -53,7 +85,7 @@ double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block,
 int main(int argc, char** argv) {
   uint64_t block = 1 << 20;
   size_t batch = 16;
-  int iters = 40, reps = 5;
+  int iters = 40, reps = 5, depth = 1;
   bool mix = false, read_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--mix") mix = true;
@@ -69,6 +101,7 @@ int main(int argc, char** argv) {
     if (a == "--batch") batch = std::stoull(argv[i + 1]);
     if (a == "--iters") iters = std::stoi(argv[i + 1]);
     if (a == "--reps") reps = std::stoi(argv[i + 1]);
+    if (a == "--depth") depth = std::max(1, std::stoi(argv[i + 1]));
   }
   std::string reason;
   if (!cuda_available(&reason)) {
@@ -97,7 +130,7 @@ int main(int argc, char** argv) {
   const Side host_to_gpu{host_a.data(), b->advertise(rgb.id).value()};
   std::printf("tcp loopback, %llu B x %zu iovs per call, median of %d runs of %d calls\n",
               static_cast<unsigned long long>(block), batch, reps, iters);
-  std::printf("%-6s %-12s %-12s %-8s\n", "op", "host GB/s", "GPU GB/s", "GPU/host");
+  std::printf("%-8s %-12s %-12s %-8s\n", "op", "host GB/s", "GPU GB/s", "GPU/host");
   struct Variant {
     const char* name;
     const Side* side;
@@ -107,24 +140,31 @@ int main(int argc, char** argv) {
     variants.push_back({"localgpu-remotehost", &gpu_to_host});
     variants.push_back({"localhost-remotegpu", &host_to_gpu});
   }
+  std::vector<int> depths = {1};
+  if (depth > 1) depths.push_back(depth);
   for (const Variant& v : variants) {
     for (bool write : {true, false}) {
       if (write && read_only) continue;
-      std::vector<double> h, g;
-      for (int rep = 0; rep < reps; ++rep) {  // alternate: same conditions for both
-        h.push_back(run(*a, peer, host, write, block, batch, iters));
-        g.push_back(run(*a, peer, *v.side, write, block, batch, iters));
+      for (int d : depths) {
+        std::vector<double> h, g;
+        for (int rep = 0; rep < reps; ++rep) {  // alternate: same conditions for both
+          h.push_back(run(*a, peer, host, write, block, batch, iters, d));
+          g.push_back(run(*a, peer, *v.side, write, block, batch, iters, d));
+        }
+        std::sort(h.begin(), h.end());
+        std::sort(g.begin(), g.end());
+        const double hm = h[h.size() / 2], gm = g[g.size() / 2];
+        const std::string op = std::string(write ? "write" : "read") +
+                               (d > 1 ? " d" + std::to_string(d) : std::string());
+        std::printf("%-8s %-12.2f %-12.2f %-8.2f%s\n", op.c_str(), hm, gm, gm / hm,
+                    v.side == &gpu ? "" : (std::string("  ") + v.name).c_str());
+        std::printf(
+            "{\"bench\":\"tcp_gpu\",\"variant\":\"%s\",\"op\":\"%s\",\"depth\":%d,"
+            "\"block_size\":%llu,\"batch\":%zu,\"host_gbps\":%.3f,\"gpu_gbps\":%.3f,"
+            "\"ratio\":%.3f}\n",
+            v.name, write ? "write" : "read", d, static_cast<unsigned long long>(block), batch, hm,
+            gm, gm / hm);
       }
-      std::sort(h.begin(), h.end());
-      std::sort(g.begin(), g.end());
-      const double hm = h[h.size() / 2], gm = g[g.size() / 2];
-      std::printf("%-6s %-12.2f %-12.2f %-8.2f%s\n", write ? "write" : "read", hm, gm, gm / hm,
-                  v.side == &gpu ? "" : (std::string("  ") + v.name).c_str());
-      std::printf(
-          "{\"bench\":\"tcp_gpu\",\"variant\":\"%s\",\"op\":\"%s\",\"block_size\":%llu,"
-          "\"batch\":%zu,\"host_gbps\":%.3f,\"gpu_gbps\":%.3f,\"ratio\":%.3f}\n",
-          v.name, write ? "write" : "read", static_cast<unsigned long long>(block), batch, hm, gm,
-          gm / hm);
     }
   }
   cudaFree(gpu_a);
