@@ -8,14 +8,11 @@
 //
 //   ferry-gpu-copy-bench [--json] [--total-mib N] [--reps N]
 //                        [--sizes 4096,16384,...] [--dirs h2d,d2h,d2d] [--no-kv]
-//                        [--extra] [--seq] [--ce-mix n[xk],...]
+//                        [--extra] [--seq]
 //
 // --extra adds the diagnostic variants (kernel host-load policies, a
 // kernel/copy-engine mix); --seq adds, per size, the same blocks in address
-// order (not shuffled); --ce-mix adds, per entry, the defaults and SM budget 8
-// with FERRY_GATHER_CE_EVERY=n (and FERRY_GATHER_CE_STREAMS=k), and both with
-// the mix off (FERRY_GATHER_CE_EVERY=0). "submit us" is the host's time inside
-// submit().
+// order (not shuffled). "submit us" is the host's time inside submit().
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -54,7 +51,6 @@ struct Args {
   bool kv = true;  // + the KV-cache page shape: 298 blocks of 1,179,648 bytes
   bool extra = false;
   bool seq = false;
-  std::vector<std::string> ce_mix;  // "n" or "nxk"
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -81,10 +77,6 @@ bool parse(int argc, char** argv, Args* a) {
       a->extra = true;
     } else if (k == "--seq") {
       a->seq = true;
-    } else if (k == "--ce-mix") {
-      const char* v = next();
-      if (v == nullptr) return false;
-      a->ce_mix = split(v);
     } else if (k == "--total-mib") {
       const char* v = next();
       if (v == nullptr) return false;
@@ -144,7 +136,7 @@ int main(int argc, char** argv) {
   if (!parse(argc, argv, &args)) {
     std::fprintf(stderr,
                  "usage: %s [--json] [--total-mib N] [--reps N] [--sizes a,b,..] "
-                 "[--dirs h2d,d2h,d2d] [--no-kv] [--extra] [--seq] [--ce-mix n[xk],..]\n",
+                 "[--dirs h2d,d2h,d2d] [--no-kv] [--extra] [--seq]\n",
                  argv[0]);
     return 2;
   }
@@ -193,29 +185,16 @@ int main(int argc, char** argv) {
   std::vector<std::unique_ptr<ferry::CopyStream>> streams;
   // `knob`/`value`: one of CopyStream's diagnostic environment knobs
   // (docs/gpu.md), set only while this variant's stream is created.
-  using Env = std::vector<std::pair<std::string, std::string>>;
-  auto add_ferry_env = [&](std::string name, int budget, uint64_t kmax, const Env& env) {
+  auto add_ferry = [&](std::string name, int budget, uint64_t kmax, const char* knob = nullptr,
+                       const char* value = nullptr) {
     Method m;
     m.name = std::move(name);
     m.sm_budget = budget;
     m.opts.sm_budget = static_cast<uint32_t>(budget);
     if (kmax != 0) m.opts.kernel_max_block = kmax;
-    // Set only while this stream is created; a value the caller's
-    // environment had is put back after.
-    std::vector<std::pair<std::string, std::string>> saved;
-    for (const auto& [k, v] : env) {
-      const char* old = std::getenv(k.c_str());
-      saved.emplace_back(k, old != nullptr ? std::string("=") + old : std::string());
-      setenv(k.c_str(), v.c_str(), 1);
-    }
+    if (knob != nullptr) setenv(knob, value, 1);
     auto r = ferry::CopyStream::create(0, m.opts);
-    for (const auto& [k, old] : saved) {
-      if (old.empty()) {
-        unsetenv(k.c_str());
-      } else {
-        setenv(k.c_str(), old.c_str() + 1, 1);
-      }
-    }
+    if (knob != nullptr) unsetenv(knob);
     if (!r.ok()) {
       std::fprintf(stderr, "CopyStream::create(%s): %s\n", m.name.c_str(),
                    r.status().to_string().c_str());
@@ -224,12 +203,6 @@ int main(int argc, char** argv) {
     streams.push_back(std::move(r).value());
     m.fs = streams.back().get();
     ferry_methods.push_back(m);
-  };
-  auto add_ferry = [&](std::string name, int budget, uint64_t kmax, const char* knob = nullptr,
-                       const char* value = nullptr) {
-    Env env;
-    if (knob != nullptr) env.emplace_back(knob, value);
-    add_ferry_env(std::move(name), budget, kmax, env);
   };
   add_ferry("ferry", ferry::CopyOptions{}.sm_budget, 0);  // index 0: the defaults
   for (int b : {4, 8, 16, 32}) add_ferry("ferry-sm" + std::to_string(b), b, 0);  // sm8: index 2
@@ -247,18 +220,6 @@ int main(int argc, char** argv) {
     add_ferry("ferry-sm8-cs", 8, 0, "FERRY_GATHER_HOST_LOAD", "cs");
     add_ferry("ferry-sm8-pf256", 8, 0, "FERRY_GATHER_HOST_LOAD", "pf256");
     add_ferry("ferry-mix-ce4", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_CE_EVERY", "4");
-  }
-  if (!args.ce_mix.empty()) {
-    // The mix off, whatever the build's default, as the A/B reference.
-    add_ferry("ferry-ce-off", ferry::CopyOptions{}.sm_budget, 0, "FERRY_GATHER_CE_EVERY", "0");
-    add_ferry("ferry-sm8-ce-off", 8, 0, "FERRY_GATHER_CE_EVERY", "0");
-  }
-  for (const std::string& e : args.ce_mix) {
-    const size_t x = e.find('x');
-    Env env = {{"FERRY_GATHER_CE_EVERY", e.substr(0, x)}};
-    if (x != std::string::npos) env.emplace_back("FERRY_GATHER_CE_STREAMS", e.substr(x + 1));
-    add_ferry_env("ferry-ce" + e, ferry::CopyOptions{}.sm_budget, 0, env);
-    add_ferry_env("ferry-sm8-ce" + e, 8, 0, env);
   }
 
   // Workloads.

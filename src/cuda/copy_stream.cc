@@ -62,16 +62,11 @@ constexpr size_t kMaxPending = 1024;
 
 // Diagnostic knobs, read when a stream is created (docs/gpu.md):
 //   FERRY_GATHER_HOST_LOAD = cv | cs | pf256   how the kernel reads host memory
-//   FERRY_GATHER_CE_EVERY  = n                 every n-th host-source kernel block
-//                                              to the copy engine (0 = off)
-//   FERRY_GATHER_CE_STREAMS = k                copy-engine blocks spread over k streams
+//   FERRY_GATHER_CE_EVERY  = n                 every n-th kernel block to the copy engine
 //   FERRY_GATHER_SLICES    = first,growth,max  launch schedule of a large batch
-// Most forked copy-engine streams (FERRY_GATHER_CE_STREAMS).
-constexpr uint32_t kMaxCeStreams = 4;
 struct Knobs {
   cuda::GatherConfig gather;
   uint32_t ce_every = 0;
-  uint32_t ce_streams = 1;
   uint32_t first_slice = kFirstSlice;
   uint32_t slice_growth = kSliceGrowth;
   uint32_t max_slice = kMaxSlice;
@@ -99,15 +94,6 @@ Result<Knobs> read_knobs() {
                                   ": expected a count (0 = off)");
     }
     k.ce_every = static_cast<uint32_t>(n);
-  }
-  if (const char* v = std::getenv("FERRY_GATHER_CE_STREAMS"); v != nullptr && *v != 0) {
-    char* end = nullptr;
-    const unsigned long n = std::strtoul(v, &end, 10);
-    if (end == v || *end != 0 || n < 1 || n > kMaxCeStreams) {
-      return err::InvalidArgument(std::string("FERRY_GATHER_CE_STREAMS=") + v + ": expected 1.." +
-                                  std::to_string(kMaxCeStreams));
-    }
-    k.ce_streams = static_cast<uint32_t>(n);
   }
   if (const char* v = std::getenv("FERRY_GATHER_SLICES"); v != nullptr && *v != 0) {
     unsigned first = 0, growth = 0, max = 0;
@@ -197,12 +183,9 @@ struct CopyStream::Impl {
   CopyOptions opts;
   Knobs knobs;
   uint32_t sm_count = 0;
-  cudaStream_t stream = nullptr;  // the ordered stream; tickets live here
-  // Copy-engine half of a mixed batch: knobs.ce_streams streams forked from
-  // `stream` (one unless FERRY_GATHER_CE_STREAMS says otherwise).
-  std::vector<cudaStream_t> ce_streams;
-  std::vector<cudaEvent_t> join_evs;
-  cudaEvent_t fork_ev = nullptr;
+  cudaStream_t stream = nullptr;     // the ordered stream; tickets live here
+  cudaStream_t ce_stream = nullptr;  // copy-engine half of a mixed batch
+  cudaEvent_t fork_ev = nullptr, join_ev = nullptr;
   uint32_t* sm_mask = nullptr;  // device: SMs the kernel ran on
 
   mutable std::mutex mu;
@@ -227,7 +210,7 @@ struct CopyStream::Impl {
   ~Impl() {
     cuda::DeviceGuard g(device);
     if (stream != nullptr) cudaStreamSynchronize(stream);
-    for (auto cs : ce_streams) cudaStreamSynchronize(cs);
+    if (ce_stream != nullptr) cudaStreamSynchronize(ce_stream);
     for (auto& p : pending) {
       cudaEventDestroy(p.ev);
       for (auto& s : p.staging) cudaFreeHost(s.host);
@@ -235,9 +218,9 @@ struct CopyStream::Impl {
     for (auto e : free_events) cudaEventDestroy(e);
     for (auto& s : free_staging) cudaFreeHost(s.host);
     if (fork_ev != nullptr) cudaEventDestroy(fork_ev);
-    for (auto e : join_evs) cudaEventDestroy(e);
+    if (join_ev != nullptr) cudaEventDestroy(join_ev);
     if (sm_mask != nullptr) cudaFree(sm_mask);
-    for (auto cs : ce_streams) cudaStreamDestroy(cs);
+    if (ce_stream != nullptr) cudaStreamDestroy(ce_stream);
     if (stream != nullptr) cudaStreamDestroy(stream);
     cudaGetLastError();
   }
@@ -249,20 +232,10 @@ struct CopyStream::Impl {
     cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
     if (e != cudaSuccess) return cuda_status(e, "cudaDeviceGetAttribute(MultiProcessorCount)");
     sm_count = static_cast<uint32_t>(n);
-    for (uint32_t k = 0; k < knobs.ce_streams; ++k) {
-      cudaStream_t cs = nullptr;
-      cudaEvent_t ev = nullptr;
-      if ((e = cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking)) != cudaSuccess) {
-        return cuda_status(e, "creating a copy-engine stream");
-      }
-      ce_streams.push_back(cs);
-      if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess) {
-        return cuda_status(e, "creating a copy-engine join event");
-      }
-      join_evs.push_back(ev);
-    }
     if ((e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&ce_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming)) != cudaSuccess ||
         (e = cudaMalloc(reinterpret_cast<void**>(&sm_mask), 8 * sizeof(uint32_t))) != cudaSuccess ||
         (e = cudaMemsetAsync(sm_mask, 0, 8 * sizeof(uint32_t), stream)) != cudaSuccess) {
       return cuda_status(e, "creating the copy stream");
@@ -348,7 +321,7 @@ struct CopyStream::Impl {
   // copy of a rejected batch still runs when submit() returns.
   Status abandon(Status why) {
     cudaStreamSynchronize(stream);
-    for (auto cs : ce_streams) cudaStreamSynchronize(cs);
+    cudaStreamSynchronize(ce_stream);
     cudaGetLastError();
     return why;
   }
@@ -376,19 +349,14 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
   size_t first_estimate = 0;  // descriptors, to size the first staging buffer
   if (kmax > 0 && blocks.size() <= kPrescanMax) {
     bool any_ce = false;
-    uint64_t small = 0;
     for (const CopyBlock& b : blocks) {
       if (b.size == 0) continue;
       if (b.size < kmax) {
         first_estimate += (b.size + kChunk - 1) / kChunk;
-        ++small;
       } else {
         any_ce = true;
       }
     }
-    // With ce_every, enough small blocks may send some to the copy engine
-    // (whether they do depends on their source, known only later).
-    if (knobs.ce_every != 0 && small >= knobs.ce_every) any_ce = true;
     fork = any_ce && first_estimate > 0;
   } else if (kmax > 0) {
     fork = true;
@@ -414,9 +382,7 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
 
   if (fork) {
     cudaError_t e = cudaEventRecord(fork_ev, stream);
-    for (size_t k = 0; k < ce_streams.size() && e == cudaSuccess; ++k) {
-      e = cudaStreamWaitEvent(ce_streams[k], fork_ev, 0);
-    }
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(ce_stream, fork_ev, 0);
     if (e != cudaSuccess) return cuda_status(e, "forking the copy-engine stream");
   }
 
@@ -432,35 +398,8 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
   uint64_t ce_tick = 0;
   uint32_t max_ctas = 0;
   size_t blocks_left = blocks.size();
-  size_t ce_flushed = 0;  // copy-engine blocks already enqueued
-  size_t ce_next = 0;     // copy-engine stream the next flush starts on
-
-  // Enqueues the copy-engine blocks gathered so far. With a forked stream
-  // this runs at every kernel launch, so the copy engine starts with the
-  // first slice instead of after the whole batch was classified (~2 ms for
-  // 65536 blocks); the blocks are split over the copy-engine streams.
-  auto flush_ce = [&]() -> Status {
-    const size_t n = ce_size.size() - ce_flushed;
-    if (n == 0) return Status::Ok();
-    const size_t k = fork ? ce_streams.size() : 1;
-    const size_t per = (n + k - 1) / k;
-    for (size_t j = 0; j * per < n; ++j) {
-      const size_t lo = ce_flushed + j * per;
-      const size_t cnt = std::min(per, n - j * per);
-      cudaStream_t cs = fork ? ce_streams[(ce_next + j) % k] : stream;
-      Status s = cuda::memcpy_batch(ce_dst.data() + lo, ce_src.data() + lo, ce_size.data() + lo,
-                                    cnt, o.use_batch_api, cs);
-      if (!s.ok()) return s;
-    }
-    ce_next = (ce_next + 1) % k;
-    ce_flushed = ce_size.size();
-    return Status::Ok();
-  };
 
   auto launch_pending = [&]() -> Status {
-    if (fork) {
-      if (Status s = flush_ce(); !s.ok()) return s;
-    }
     if (nd == launched) return Status::Ok();
     uint32_t ctas = 0;
     cudaError_t e = cuda::launch_gather(staging.host + launched, staging.dev + launched,
@@ -504,6 +443,7 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
                                           std::to_string(b.size) + ")"));
     }
     bool to_kernel = b.size < kmax;
+    if (to_kernel && knobs.ce_every != 0 && ++ce_tick % knobs.ce_every == 0) to_kernel = false;
     uint64_t dst_dev = 0, src_dev = 0;
     bool src_host = false;
     if (to_kernel) {
@@ -546,9 +486,6 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
         if (side == 1) src_host = s.type == CudaMemoryType::kPinnedHost;
       }
     }
-    if (to_kernel && src_host && knobs.ce_every != 0 && ++ce_tick % knobs.ce_every == 0) {
-      to_kernel = false;
-    }
     if (!to_kernel) {
       ce_dst.push_back(b.dst);
       ce_src.push_back(b.src);
@@ -569,13 +506,16 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
     }
   }
   if (Status s = launch_pending(); !s.ok()) return abandon(s);
-  if (Status s = flush_ce(); !s.ok()) return abandon(s);
+
+  if (!ce_size.empty()) {
+    cudaStream_t cs = fork ? ce_stream : stream;
+    Status s = cuda::memcpy_batch(ce_dst.data(), ce_src.data(), ce_size.data(), ce_size.size(),
+                                  o.use_batch_api, cs);
+    if (!s.ok()) return abandon(s);
+  }
   if (fork) {
-    cudaError_t e = cudaSuccess;
-    for (size_t k = 0; k < ce_streams.size() && e == cudaSuccess; ++k) {
-      e = cudaEventRecord(join_evs[k], ce_streams[k]);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, join_evs[k], 0);
-    }
+    cudaError_t e = cudaEventRecord(join_ev, ce_stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, join_ev, 0);
     if (e != cudaSuccess) return abandon(cuda_status(e, "joining the copy-engine stream"));
   }
 

@@ -355,32 +355,16 @@ TEST_F(GpuTest, SubmitFromAThreadThatHasNoContext) {
 // the first staging buffer (blocks of several 16 KiB descriptors) and which
 // mix both paths: random data, poisoned destination, every byte compared.
 TEST_F(GpuTest, LargeBatchesSpanSeveralStagingBuffers) {
-  // SM budget, FERRY_GATHER_CE_EVERY / _CE_STREAMS (nullptr: the build's
-  // default), blocks: over the pre-scan limit (4096), and below it with the
-  // kernel/copy-engine mix.
-  struct Config {
-    uint32_t budget;
-    const char* ce_every;
-    const char* ce_streams;
-    size_t blocks;
-  };
-  for (const Config& c : {Config{16, nullptr, nullptr, 6000}, Config{3, nullptr, nullptr, 6000},
-                          Config{16, "0", nullptr, 6000}, Config{16, "5", "3", 6000},
-                          Config{8, "3", "2", 1500}, Config{8, "3", nullptr, 1500}}) {
-    const uint32_t budget = c.budget;
+  for (uint32_t budget : {16u, 3u}) {
     CopyOptions o;
     o.sm_budget = budget;
-    if (c.ce_every != nullptr) setenv("FERRY_GATHER_CE_EVERY", c.ce_every, 1);
-    if (c.ce_streams != nullptr) setenv("FERRY_GATHER_CE_STREAMS", c.ce_streams, 1);
     Result<std::unique_ptr<CopyStream>> r = CopyStream::create(0, o);
-    unsetenv("FERRY_GATHER_CE_EVERY");
-    unsetenv("FERRY_GATHER_CE_STREAMS");
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     CopyStream& cs = *r.value();
     // 6000 blocks: mostly 20 KiB + 3 (2 descriptors each), every 97th 600 KiB
     // (copy engine), every 7th 4 KiB - 1; packed with random gaps.
-    const size_t kBlocks = c.blocks;
-    std::mt19937_64 rng(1234 + budget + kBlocks);
+    constexpr size_t kBlocks = 6000;
+    std::mt19937_64 rng(1234 + budget);
     std::vector<uint64_t> sizes(kBlocks), offs(kBlocks);
     uint64_t total = 0;
     for (size_t i = 0; i < kBlocks; ++i) {
@@ -389,10 +373,7 @@ TEST_F(GpuTest, LargeBatchesSpanSeveralStagingBuffers) {
       total = offs[i] + sizes[i];
     }
     for (bool h2d : {true, false}) {
-      SCOPED_TRACE(std::string(h2d ? "H2D" : "D2H") + " budget " + std::to_string(budget) +
-                   " ce_every " + (c.ce_every ? c.ce_every : "default") + " ce_streams " +
-                   (c.ce_streams ? c.ce_streams : "default") + " blocks " +
-                   std::to_string(kBlocks));
+      SCOPED_TRACE(std::string(h2d ? "H2D" : "D2H") + " budget " + std::to_string(budget));
       Buffer host(Mem::kPinned, total), dev(Mem::kDevice, total);
       ASSERT_TRUE(host.ok() && dev.ok());
       std::vector<uint8_t> data(total), got(total);
@@ -646,12 +627,6 @@ TEST_F(GpuTest, InvalidInputIsRejectedClearly) {
   ASSERT_FALSE(knob.ok());
   EXPECT_EQ(knob.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(knob.status().message().find("FERRY_GATHER_HOST_LOAD"), std::string::npos);
-  setenv("FERRY_GATHER_CE_STREAMS", "9", 1);
-  knob = CopyStream::create(0, {});
-  unsetenv("FERRY_GATHER_CE_STREAMS");
-  ASSERT_FALSE(knob.ok());
-  EXPECT_EQ(knob.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(knob.status().message().find("FERRY_GATHER_CE_STREAMS"), std::string::npos);
 
   // Bad device ordinal.
   Result<std::unique_ptr<CopyStream>> bad = CopyStream::create(cuda_device_count(), {});

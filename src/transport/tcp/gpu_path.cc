@@ -19,17 +19,6 @@ size_t completion_threads() {
   return 4;
 }
 
-// Submit threads: FERRY_TCP_GPU_SUBMIT_THREADS (1..8, a diagnostic knob),
-// else 1. Each has its own copy stream per device and takes the next queued
-// call when it is free.
-size_t submit_threads() {
-  if (const char* v = std::getenv("FERRY_TCP_GPU_SUBMIT_THREADS"); v != nullptr && *v != 0) {
-    const long n = std::strtol(v, nullptr, 10);
-    if (n >= 1 && n <= 8) return static_cast<size_t>(n);
-  }
-  return 1;
-}
-
 }  // namespace
 
 Result<std::unique_ptr<GpuPath>> GpuPath::create(size_t staging_bytes, uint32_t sm_budget) {
@@ -49,9 +38,7 @@ GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget)
   const size_t n = completion_threads();
   for (size_t i = 0; i < n; ++i) completion_threads_.emplace_back([this] { completion_loop(); });
   job_thread_ = std::thread([this] { job_loop(); });
-  const size_t k = submit_threads();
-  streams_.resize(k);
-  for (size_t i = 0; i < k; ++i) submit_threads_.emplace_back([this, i] { submit_loop(i); });
+  submit_thread_ = std::thread([this] { submit_loop(); });
 }
 
 GpuPath::~GpuPath() {
@@ -63,7 +50,7 @@ GpuPath::~GpuPath() {
   }
   cv_.notify_all();
   job_thread_.join();
-  for (auto& t : submit_threads_) t.join();
+  submit_thread_.join();
   {
     std::lock_guard lock(mu_);
     stop_completion_ = true;
@@ -102,9 +89,9 @@ Result<std::unique_ptr<StagingSlot>> GpuPath::acquire_slot() {
   return pool_->acquire(std::chrono::seconds(30));
 }
 
-Result<CopyStream*> GpuPath::stream(size_t thread, int device) {
+Result<CopyStream*> GpuPath::stream(int device) {
   std::lock_guard lock(streams_mu_);
-  auto& s = streams_[thread][device];
+  auto& s = streams_[device];
   if (!s) {
     CopyOptions options;
     options.sm_budget = sm_budget_;
@@ -132,7 +119,7 @@ void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Statu
   cv_.notify_all();
 }
 
-void GpuPath::submit_loop(size_t thread) {
+void GpuPath::submit_loop() {
   for (;;) {
     Submit job;
     {
@@ -150,7 +137,7 @@ void GpuPath::submit_loop(size_t thread) {
     std::map<int, std::vector<CopyBlock>> by_device;
     for (const auto& c : job.copies) by_device[c.device].push_back(c.block);
     for (auto& [device, blocks] : by_device) {
-      auto s = stream(thread, device);
+      auto s = stream(device);
       if (!s.ok()) {
         w.submit_error = s.status();
         break;

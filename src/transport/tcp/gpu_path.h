@@ -48,10 +48,9 @@ class GpuPath {
 
   Result<std::unique_ptr<StagingSlot>> acquire_slot();
   // Queues the copies and calls `done` from a completion thread once all of
-  // them finished (or with the first error). Returns at once: a submit
-  // thread enqueues them on its own stream for the device (with several
-  // submit threads, calls may be enqueued and run out of call order), so the
-  // I/O threads never make CUDA calls (a submission takes ~10-40 us of them).
+  // them finished (or with the first error). Returns at once: the submit
+  // thread enqueues them on the device's stream, in call order, so the I/O
+  // threads never make CUDA calls (a submission takes ~10-40 us of them).
   // The copies' memory must stay valid until `done`.
   void copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done);
   // Runs `job` on the staging thread, in submission order (jobs may block
@@ -60,11 +59,10 @@ class GpuPath {
 
  private:
   GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget);
-  // The copy stream of submit thread `thread` for `device`.
-  Result<CopyStream*> stream(size_t thread, int device);
+  Result<CopyStream*> stream(int device);
   void completion_loop();
   void job_loop();
-  void submit_loop(size_t thread);
+  void submit_loop();
   Status wait(CopyStream* stream, uint64_t ticket);
 
   using Clock = std::chrono::steady_clock;
@@ -90,8 +88,7 @@ class GpuPath {
   std::unique_ptr<StagingPool> pool_;
   uint32_t sm_budget_;
   std::mutex streams_mu_;
-  // Per submit thread: its copy stream per device.
-  std::vector<std::map<int, std::unique_ptr<CopyStream>>> streams_;
+  std::map<int, std::unique_ptr<CopyStream>> streams_;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -102,7 +99,7 @@ class GpuPath {
   bool stop_completion_ = false;  // completion threads: drain, then exit
   std::vector<std::thread> completion_threads_;
   std::thread job_thread_;
-  std::vector<std::thread> submit_threads_;
+  std::thread submit_thread_;
 };
 
 }  // namespace ferry::tcp

@@ -35,7 +35,7 @@ namespace ferry::tcp {
 
 struct TcpOptions {
   uint32_t streams = 2;
-  uint32_t io_threads = 2;
+  uint32_t io_threads = 1;  // resolved from tcp.io_threads (0: by CPU count)
   uint64_t chunk_bytes = 1 << 20;
   uint32_t max_segments = 256;
   std::chrono::milliseconds connect_timeout{5000};
