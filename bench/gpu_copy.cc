@@ -8,11 +8,16 @@
 //
 //   ferry-gpu-copy-bench [--json] [--total-mib N] [--reps N]
 //                        [--sizes 4096,16384,...] [--dirs h2d,d2h,d2d] [--no-kv]
-//                        [--extra] [--seq]
+//                        [--extra] [--seq] [--order shuffle|rotate] [--gap-us N]
 //
 // --extra adds the diagnostic variants (kernel host-load policies, a
 // kernel/copy-engine mix); --seq adds, per size, the same blocks in address
 // order (not shuffled). "submit us" is the host's time inside submit().
+// --order: per repetition the methods run in a freshly shuffled order
+// (default) or rotated (each method then nearly always follows the same one:
+// the defaults variant followed the 65536-call cudaMemcpyBatchAsync and
+// measured ~0.005 below the identical sm16 variant, see docs/gpu.md);
+// --gap-us N: the host idles N us, GPU synchronized, before each timed run.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -26,6 +31,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ferry/gpu.h"
@@ -51,6 +57,8 @@ struct Args {
   bool kv = true;  // + the KV-cache page shape: 298 blocks of 1,179,648 bytes
   bool extra = false;
   bool seq = false;
+  bool shuffle_order = true;
+  int gap_us = 0;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -77,6 +85,14 @@ bool parse(int argc, char** argv, Args* a) {
       a->extra = true;
     } else if (k == "--seq") {
       a->seq = true;
+    } else if (k == "--order") {
+      const char* v = next();
+      if (v == nullptr || (std::string(v) != "rotate" && std::string(v) != "shuffle")) return false;
+      a->shuffle_order = std::string(v) == "shuffle";
+    } else if (k == "--gap-us") {
+      const char* v = next();
+      if (v == nullptr) return false;
+      a->gap_us = std::max(0, std::atoi(v));
     } else if (k == "--total-mib") {
       const char* v = next();
       if (v == nullptr) return false;
@@ -136,7 +152,8 @@ int main(int argc, char** argv) {
   if (!parse(argc, argv, &args)) {
     std::fprintf(stderr,
                  "usage: %s [--json] [--total-mib N] [--reps N] [--sizes a,b,..] "
-                 "[--dirs h2d,d2h,d2d] [--no-kv] [--extra] [--seq]\n",
+                 "[--dirs h2d,d2h,d2d] [--no-kv] [--extra] [--seq] [--order shuffle|rotate] "
+                 "[--gap-us N]\n",
                  argv[0]);
     return 2;
   }
@@ -280,6 +297,10 @@ int main(int argc, char** argv) {
     refs[2].name = "memcpy-batch";
 
     auto timed = [&](cudaStream_t st, auto&& body) -> double {
+      if (args.gap_us > 0) {
+        CHECK(cudaDeviceSynchronize());
+        std::this_thread::sleep_for(std::chrono::microseconds(args.gap_us));
+      }
       CHECK(cudaEventRecord(e0, st));
       body();
       CHECK(cudaEventRecord(e1, st));
@@ -386,11 +407,15 @@ int main(int argc, char** argv) {
     // Warm-up, then repetitions with the methods alternating.
     for (int r = 0; r < 3; ++r) run_ref(r);
     for (Method& m : ferry_methods) run_ferry(m);
-    // The order rotates per repetition so no method always runs first.
+    // The order changes per repetition (shuffled, or rotated with --order rotate).
     const size_t nm = 3 + ferry_methods.size();
+    std::mt19937 order_rng(7);
     for (int rep = 0; rep < args.reps; ++rep) {
+      std::vector<size_t> order(nm);
+      for (size_t k = 0; k < nm; ++k) order[k] = (k + rep) % nm;
+      if (args.shuffle_order) std::shuffle(order.begin(), order.end(), order_rng);
       for (size_t k = 0; k < nm; ++k) {
-        const size_t j = (k + rep) % nm;
+        const size_t j = order[k];
         if (j < 3) {
           refs[j].gbps.push_back(run_ref(static_cast<int>(j)));
         } else {
