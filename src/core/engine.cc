@@ -346,7 +346,10 @@ Result<MemoryRegion> Engine::register_memory(void* address, uint64_t length) {
 }
 
 Status Engine::deregister_memory(RegionId region) {
-  return impl_->registry_.remove(region);
+  Transport* network = impl_->network_.get();
+  return impl_->registry_.remove(region, [network] {
+    if (network) network->release_revoked_regions();
+  });
 }
 
 Result<RemoteDescriptor> Engine::advertise(RegionId region, uint64_t offset, uint64_t length,

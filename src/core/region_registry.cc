@@ -71,7 +71,7 @@ Result<MemoryRegion> RegionRegistry::add(void* address, uint64_t length) {
   return region->info;
 }
 
-Status RegionRegistry::remove(RegionId id) {
+Status RegionRegistry::remove(RegionId id, const std::function<void()>& release) {
   std::shared_ptr<Region> region;
   {
     std::unique_lock lock(mu_);
@@ -92,7 +92,15 @@ Status RegionRegistry::remove(RegionId id) {
   }
   // Revoked: no new op can find it. Operations already placing bytes hold a
   // pin; wait for them so the caller may free the memory when we return.
+  // Their owners are asked to let go (a frame from a stalled peer would
+  // otherwise hold the region until that peer moves again).
+  region->revoked.store(true, std::memory_order_release);
+  auto next_release = std::chrono::steady_clock::time_point{};
   while (region->active_ops.load(std::memory_order_acquire) != 0) {
+    if (release && std::chrono::steady_clock::now() >= next_release) {
+      release();
+      next_release = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
   return Status::Ok();

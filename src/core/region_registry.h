@@ -11,6 +11,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,6 +28,9 @@ struct Region {
   uint8_t secret[16];
   // Remote operations currently touching this region's memory.
   std::atomic<uint32_t> active_ops{0};
+  // Set by remove(): holders of a pin must let go as soon as they can
+  // (a stalled peer must not keep deregistration waiting).
+  std::atomic<bool> revoked{false};
 };
 
 // What a remote op names on the wire (every field is untrusted).
@@ -35,8 +39,8 @@ struct RemoteAccessRequest {
   uint64_t adv_offset = 0;  // advertised start within the region
   uint64_t adv_length = 0;
   uint64_t key = 0;
-  uint8_t access = 0;       // access the descriptor claims
-  uint64_t offset = 0;      // op start, relative to the advertised start
+  uint8_t access = 0;   // access the descriptor claims
+  uint64_t offset = 0;  // op start, relative to the advertised start
   uint64_t length = 0;
 };
 
@@ -60,7 +64,10 @@ class RegionRegistry {
   // Detects the memory kind through the registered kind detector (host only
   // without CUDA support).
   Result<MemoryRegion> add(void* address, uint64_t length);
-  Status remove(RegionId id);
+  // Revokes the region at once, then waits until no operation touches its
+  // memory. While operations still hold it, `release` is called (at once, then
+  // every 10 ms) to ask their owners to let go.
+  Status remove(RegionId id, const std::function<void()>& release = {});
   std::shared_ptr<Region> find(RegionId id) const;
 
   Result<RemoteDescriptor> advertise(uint64_t engine_id, RegionId id, uint64_t offset,

@@ -87,6 +87,11 @@ class Transport {
   // After this returns no more bytes of `transfer` move into local memory and
   // none of its frames is still reading local memory.
   virtual void cancel(Transfer& transfer) = 0;
+  // Regions were revoked (Region::revoked) while operations still hold them:
+  // let go soon, without waiting for peers -- bytes still to arrive for a
+  // revoked region are discarded (the write fails with NotFound), bytes still
+  // to be sent from one are copied out first. Any thread; returns at once.
+  virtual void release_revoked_regions() {}
 };
 
 // Self-registration: each transport folder has a small *_plugin.cc that adds

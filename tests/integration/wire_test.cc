@@ -8,6 +8,8 @@
 // carry a genuine key (which the public API cannot produce, because the
 // initiator checks the range first), and the connecting side facing a fake
 // server (wrong version, silence, garbage).
+#include "transport/tcp/wire.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -19,7 +21,6 @@
 
 #include "core/metadata.h"
 #include "fixture.h"
-#include "transport/tcp/wire.h"
 
 namespace ferry::itest {
 namespace {
@@ -74,7 +75,8 @@ class RawConn {
     auto* b = static_cast<uint8_t*>(p);
     const auto deadline = Clock::now() + timeout;
     while (n > 0) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       pollfd pfd{fd_, POLLIN, 0};
       if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) return false;
       const ssize_t r = ::recv(fd_, b, n, 0);
@@ -92,7 +94,8 @@ class RawConn {
     const auto deadline = Clock::now() + timeout;
     char buf[4096];
     for (;;) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       pollfd pfd{fd_, POLLIN, 0};
       if (left.count() <= 0) return false;
       const int pr = ::poll(&pfd, 1, static_cast<int>(left.count()));
@@ -146,7 +149,8 @@ Bytes Frame(const FrameHeader& h, const void* aux, size_t aux_len, const Bytes& 
   Bytes out(sizeof h + aux_len + payload.size());
   std::memcpy(out.data(), &h, sizeof h);
   if (aux_len > 0) std::memcpy(out.data() + sizeof h, aux, aux_len);
-  if (!payload.empty()) std::memcpy(out.data() + sizeof h + aux_len, payload.data(), payload.size());
+  if (!payload.empty())
+    std::memcpy(out.data() + sizeof h + aux_len, payload.data(), payload.size());
   return out;
 }
 
@@ -297,7 +301,8 @@ TEST_F(WireTest, IncompleteHandshakeIsClosedAfterTheHandshakeTimeout) {
   const auto t0 = Clock::now();
   const auto deadline = t0 + 4s;
   for (size_t i = 0; i < conns.size(); ++i) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     EXPECT_TRUE(conns[i]->ClosedByPeer(std::max(left, 1ms)))
         << "a connection that sent " << sent[i] << " of " << sizeof(Hello)
         << " handshake bytes was still open after 4 s (handshake timeout 1 s)";
@@ -368,7 +373,11 @@ TEST_F(WireTest, MalformedHandshakeFields) {
   } cases[] = {
       {"engine id 0", [](Hello& h) { h.engine_id = 0; }},
       {"stream count 0", [](Hello& h) { h.stream_count = 0; }},
-      {"stream index beyond count", [](Hello& h) { h.stream_index = 5; h.stream_count = 2; }},
+      {"stream index beyond count",
+       [](Hello& h) {
+         h.stream_index = 5;
+         h.stream_count = 2;
+       }},
       {"65535 streams", [](Hello& h) { h.stream_count = 0xFFFF; }},
   };
   for (const auto& k : cases) {
@@ -472,7 +481,8 @@ TEST_F(WireTest, SegmentTableInconsistentWithPayload) {
       {"segments sum above payload", {Segment(peer_->rw, 0, 300)}, 200},
       {"zero-length segment", {Segment(peer_->rw, 0, 0), Segment(peer_->rw, 0, 64)}, 64},
       {"segment lengths overflowing 64 bits",
-       {Segment(peer_->rw, 0, ~uint64_t{0} - 10), Segment(peer_->rw, 0, 75)}, 64},
+       {Segment(peer_->rw, 0, ~uint64_t{0} - 10), Segment(peer_->rw, 0, 75)},
+       64},
   };
   for (const auto& k : cases) {
     auto c = Handshaken();
@@ -542,7 +552,8 @@ TEST_F(WireTest, RawClientSpeaksTheProtocol) {
   EXPECT_EQ(ack->header.transfer_id, 11u);
   EXPECT_EQ(ack->header.status, 0u) << ack->message;
   EXPECT_EQ(peer_->Checksum(300, 1000), HashBytes(data.data(), data.size()));
-  ASSERT_TRUE(c->Send(ReadFrame({Segment(peer_->rw, 300, 1000), Segment(peer_->ro, 5000, 24)}, 12)));
+  ASSERT_TRUE(
+      c->Send(ReadFrame({Segment(peer_->rw, 300, 1000), Segment(peer_->ro, 5000, 24)}, 12)));
   auto resp = ReadResponse(*c);
   ASSERT_TRUE(resp.has_value());
   EXPECT_EQ(resp->header.op, static_cast<uint8_t>(Op::kReadResponse));
@@ -592,8 +603,7 @@ TEST_F(WireTest, TargetRefusesWithGenuineKeys) {
     ASSERT_TRUE(ack.has_value()) << k.what << ": no WRITE_ACK (connection closed?)";
     EXPECT_EQ(ack->header.op, static_cast<uint8_t>(Op::kWriteAck)) << k.what;
     EXPECT_EQ(ack->header.transfer_id, id) << k.what;
-    EXPECT_EQ(ack->header.status, static_cast<uint32_t>(k.code))
-        << k.what << ": " << ack->message;
+    EXPECT_EQ(ack->header.status, static_cast<uint32_t>(k.code)) << k.what << ": " << ack->message;
     EXPECT_TRUE(NamesRegion(Status(k.code, ack->message), k.seg.region_id)) << k.what;
     if (k.code == StatusCode::kOutOfRange) {
       EXPECT_TRUE(NamesNumber(Status(k.code, ack->message), k.seg.offset)) << k.what;
@@ -617,7 +627,8 @@ TEST_F(WireTest, TargetRefusesWithGenuineKeys) {
     auto resp = ReadResponse(*c);
     ASSERT_TRUE(resp.has_value()) << k.what << ": no READ_RESPONSE (connection closed?)";
     EXPECT_EQ(resp->header.op, static_cast<uint8_t>(Op::kReadResponse)) << k.what;
-    EXPECT_EQ(resp->header.status, static_cast<uint32_t>(k.code)) << k.what << ": " << resp->message;
+    EXPECT_EQ(resp->header.status, static_cast<uint32_t>(k.code))
+        << k.what << ": " << resp->message;
     EXPECT_TRUE(resp->payload.empty()) << k.what << ": refused read returned data";
     EXPECT_TRUE(NamesRegion(Status(k.code, resp->message), k.seg.region_id)) << k.what;
   }
@@ -640,6 +651,90 @@ TEST_F(WireTest, TargetRefusesAfterDeregistration) {
   EXPECT_EQ(peer_->Checksum(0, kSize), original_);
   // The fixture's health check needs a registered region: use a fresh peer.
   peer_.reset();
+}
+
+// Deregistration must not wait for a peer that stopped mid-frame: a WRITE
+// whose sender stalls after half its payload holds the region while the
+// bytes arrive. deregister_memory() returns at once, and what arrives after
+// it is discarded, not placed; the writer gets NotFound naming the region.
+TEST_F(WireTest, DeregistrationDoesNotWaitForAStalledWriter) {
+  auto c = Handshaken();
+  ASSERT_TRUE(c);
+  constexpr uint64_t kOff = 64 << 10, kLen = 512 << 10, kHalf = kLen / 2;
+  constexpr uint64_t kPayloadSeed = 777;
+  Bytes payload(kLen);
+  FillPattern(kPayloadSeed, kOff, payload.data(), kLen);
+  const Bytes frame = WriteFrame({Segment(peer_->rw, kOff, kLen)}, payload, 9);
+  const size_t head = frame.size() - kLen;
+  ASSERT_TRUE(c->Send(frame.data(), head + kHalf));
+  std::this_thread::sleep_for(300ms);  // the target takes the first half in, then waits
+  const auto t0 = Clock::now();
+  ASSERT_EQ(peer_->Command("dereg", 5s), "OK") << "deregistration waited for the stalled writer";
+  EXPECT_LT(Clock::now() - t0, 2s);
+  // The half that arrived before was placed; nothing sent after is.
+  EXPECT_EQ(peer_->Checksum(kOff, kHalf), PatternHash(kPayloadSeed, kOff, kHalf));
+  ASSERT_TRUE(c->Send(frame.data() + head + kHalf, kLen - kHalf));
+  auto ack = ReadResponse(*c);
+  ASSERT_TRUE(ack.has_value()) << "no WRITE_ACK after the rest arrived";
+  EXPECT_EQ(ack->header.op, static_cast<uint8_t>(Op::kWriteAck));
+  EXPECT_EQ(ack->header.transfer_id, 9u);
+  EXPECT_EQ(ack->header.status, static_cast<uint32_t>(StatusCode::kNotFound)) << ack->message;
+  EXPECT_NE(ack->message.find("deregistered"), std::string::npos) << ack->message;
+  EXPECT_NE(ack->message.find(std::to_string(kHalf) + " of this frame's " + std::to_string(kLen)),
+            std::string::npos)
+      << ack->message;
+  EXPECT_TRUE(NamesRegion(Status(StatusCode::kNotFound, ack->message), peer_->region));
+  EXPECT_EQ(peer_->Checksum(kOff + kHalf, kLen - kHalf),
+            PatternHash(kSeed, kOff + kHalf, kLen - kHalf))
+      << "bytes that arrived after deregistration were written";
+  EXPECT_EQ(peer_->Checksum(0, kOff), PatternHash(kSeed, 0, kOff));
+  EXPECT_EQ(peer_->Checksum(kOff + kLen, kSize - kOff - kLen),
+            PatternHash(kSeed, kOff + kLen, kSize - kOff - kLen));
+  // The connection still carries requests (now refused: the region is gone).
+  ASSERT_TRUE(c->Send(ReadFrame({Segment(peer_->rw, 0, 8)}, 10)));
+  auto resp = ReadResponse(*c);
+  ASSERT_TRUE(resp.has_value());
+  EXPECT_EQ(resp->header.status, static_cast<uint32_t>(StatusCode::kNotFound)) << resp->message;
+  EXPECT_TRUE(peer_->Alive());
+  peer_.reset();  // the fixture's health check needs a registered region
+}
+
+// The same for a reader that stops reading: the response already on the wire
+// is finished from a copy taken at deregistration (so the memory may be reused
+// at once), and a response not started yet becomes NotFound.
+TEST(WireRevocation, DeregistrationDoesNotWaitForAStalledReader) {
+  constexpr uint64_t kSize = 64ull << 20, kSeed = 31;
+  auto peer = StartPeer({.size = kSize, .seed = kSeed});
+  ASSERT_TRUE(peer);
+  RawConn c(peer->listen);
+  ASSERT_TRUE(c.ok());
+  Hello h = MakeHello(0x5151515151515151ull);
+  ASSERT_TRUE(c.Send(&h, sizeof h));
+  HelloReply reply{};
+  ASSERT_TRUE(c.RecvExact(&reply, sizeof reply, 10s));
+  ASSERT_EQ(reply.status, 0);
+  // Two reads; this side reads nothing until the target's buffers are full.
+  ASSERT_TRUE(c.Send(ReadFrame({Segment(peer->rw, 0, kSize)}, 21)));
+  ASSERT_TRUE(c.Send(ReadFrame({Segment(peer->rw, 4096, 4096)}, 22)));
+  std::this_thread::sleep_for(500ms);
+  const auto t0 = Clock::now();
+  ASSERT_EQ(peer->Command("dereg", 5s), "OK") << "deregistration waited for the stalled reader";
+  EXPECT_LT(Clock::now() - t0, 2s);
+  ASSERT_EQ(peer->Command("fill 99 0 " + std::to_string(kSize)), "OK");  // memory reused
+  auto first = ReadResponse(c);
+  ASSERT_TRUE(first.has_value()) << "the response on the wire was not finished";
+  EXPECT_EQ(first->header.transfer_id, 21u);
+  EXPECT_EQ(first->header.status, 0u) << first->message;
+  ASSERT_EQ(first->payload.size(), kSize);
+  EXPECT_TRUE(MatchesPattern(kSeed, 0, first->payload.data(), kSize))
+      << "the read returned bytes written after deregistration";
+  auto second = ReadResponse(c);
+  ASSERT_TRUE(second.has_value());
+  EXPECT_EQ(second->header.transfer_id, 22u);
+  EXPECT_EQ(second->header.status, static_cast<uint32_t>(StatusCode::kNotFound)) << second->message;
+  EXPECT_NE(second->message.find("deregistered"), std::string::npos) << second->message;
+  EXPECT_TRUE(second->payload.empty());
+  EXPECT_TRUE(peer->Alive());
 }
 
 // --- the connecting side facing a fake server -------------------------------
@@ -714,8 +809,12 @@ TEST(WireConnect, ServerRefusingWithAMessage) {
   FakeServer server([&](int fd) {
     ReadHello(fd);
     const std::string why = "protocol version mismatch: peer speaks 1, this engine speaks 9";
-    HelloReply r{kHelloMagic, 9, static_cast<uint16_t>(StatusCode::kProtocolError), 0xABCDEF,
-                 static_cast<uint32_t>(why.size()), 0};
+    HelloReply r{kHelloMagic,
+                 9,
+                 static_cast<uint16_t>(StatusCode::kProtocolError),
+                 0xABCDEF,
+                 static_cast<uint32_t>(why.size()),
+                 0};
     (void)!send(fd, &r, sizeof r, MSG_NOSIGNAL);
     (void)!send(fd, why.data(), why.size(), MSG_NOSIGNAL);
   });

@@ -511,6 +511,64 @@ void TcpTransport::cancel(Transfer& t) {
   t.wait_tx_idle();  // a sender that was between frames finishes its step
 }
 
+// ------------------------------------------------------------ revocation ---
+
+void TcpTransport::release_revoked_regions() {
+  std::lock_guard lock(mu_);  // shutdown() sets stopped_ under mu_ before dropping workers
+  if (stopped_) return;
+  for (auto& w : workers_) w->request_release();
+}
+
+namespace {
+// The first revoked region among `pins`, or null.
+Region* first_revoked(const std::vector<RegionPin>& pins) {
+  for (const RegionPin& p : pins) {
+    if (p.get() != nullptr && p.get()->revoked.load(std::memory_order_acquire)) return p.get();
+  }
+  return nullptr;
+}
+}  // namespace
+
+void TcpTransport::release_revoked(Stream& s) {
+  // A WRITE arriving into a revoked region: the rest of its payload is read
+  // and dropped, and the initiator learns that only a prefix was placed.
+  if (s.rx == Stream::Rx::kPayload && !s.reading) {
+    if (Region* r = first_revoked(s.pins)) {
+      const uint64_t left = s.payload.remaining();
+      const uint64_t placed = s.hdr.payload_bytes - left - s.discard_left;
+      s.write_verdict = err::NotFound(fmt::format(
+          "region {} was deregistered while write {} was arriving: {} of this frame's {} bytes "
+          "were placed, the rest was discarded",
+          r->info.id, s.hdr.transfer_id, placed, s.hdr.payload_bytes));
+      spdlog::info("ferry tcp: {}: {}", peer_name(s), s.write_verdict.message());
+      s.discard_left += left;
+      s.payload.clear();
+      s.h2d.clear();  // GPU target: the staged bytes never reach the device
+      s.slot.reset();
+      s.pins.clear();
+    }
+  }
+  // READ_RESPONSEs sent from a revoked region: one already on the wire keeps
+  // its bytes (copied out now, as of the revocation); one not started yet
+  // becomes a NotFound response.
+  std::lock_guard lock(s.tx_mu);
+  for (auto& f : s.txq) {
+    Region* r = first_revoked(f->pins);
+    if (r == nullptr) continue;
+    if (f->started) {
+      if (f->detached.empty()) f->cursor.detach_into(&f->detached);
+      f->pins.clear();
+      continue;
+    }
+    const auto op = static_cast<Op>(f->header.op);
+    const TransferId id = f->header.transfer_id;
+    f = make_response(op, id,
+                      err::NotFound(fmt::format("region {} was deregistered before the {} bytes "
+                                                "of read {} were sent",
+                                                r->info.id, f->header.payload_bytes, id)));
+  }
+}
+
 // ------------------------------------------------------------ completion ---
 
 void TcpTransport::on_response(const std::shared_ptr<Pending>& p, const Status& status) {

@@ -125,6 +125,12 @@ void Worker::request_flush(std::shared_ptr<Stream> stream) {
   [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
 }
 
+void Worker::request_release() {
+  release_requested_.store(true);
+  uint64_t one = 1;
+  [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
+}
+
 void Worker::watch_listener(int fd) {
   listen_fd_ = fd;
   epoll_event ev{};
@@ -176,6 +182,16 @@ void Worker::run() {
     }
     for (auto& s : to_flush) {
       if (!s->closed) transport_.on_writable(*s);
+    }
+    if (release_requested_.exchange(false)) {
+      std::vector<std::shared_ptr<Stream>> all;
+      {
+        std::lock_guard lock(mu_);
+        for (auto& [p, s] : streams_) all.push_back(s);
+      }
+      for (auto& s : all) {
+        if (!s->closed) transport_.release_revoked(*s);
+      }
     }
     // The scan runs at most every kHandshakeCheck, not on every wake-up of a
     // busy loop that also has a handshake pending.

@@ -157,6 +157,8 @@ class Worker {
   void watch_listener(int fd);
   // Asks the loop to flush the stream (its tx_mu was busy); any thread.
   void request_flush(std::shared_ptr<Stream> stream);
+  // Asks the loop to let go of revoked regions (TcpTransport::release_revoked).
+  void request_release();
   // Called with s.tx_mu held: tracks EPOLLOUT interest.
   void want_writable(Stream& s, bool on);
   int index() const { return index_; }
@@ -181,6 +183,7 @@ class Worker {
   std::mutex mu_;
   std::unordered_map<Stream*, std::shared_ptr<Stream>> streams_;
   std::atomic<uint32_t> handshaking_{0};
+  std::atomic<bool> release_requested_{false};
   std::vector<std::shared_ptr<Stream>>
       flush_requests_;  // guarded by mu_  // accepted streams adopted in kHello
   std::vector<uint8_t> discard_;
@@ -207,6 +210,7 @@ class TcpTransport final : public Transport {
   Status post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
                            Bytes payload) override;
   void cancel(Transfer& transfer) override;
+  void release_revoked_regions() override;
 
   // --- used by workers ---
   void on_accept(int listen_fd);
@@ -218,6 +222,10 @@ class TcpTransport final : public Transport {
   void fail_stream(Stream& s, const Status& reason);
   // An accepted stream sent no complete Hello within tcp.connect_timeout_ms.
   void expire_handshake(Stream& s);
+  // Drops the stream's hold on revoked regions: the rest of a WRITE arriving
+  // into one is discarded, the unsent rest of a frame sent from one is copied
+  // out. Owning worker only.
+  void release_revoked(Stream& s);
 
  private:
   Result<std::shared_ptr<Group>> open_group(const SocketAddress& address, PeerId expected_peer);
