@@ -1,17 +1,18 @@
 // RegionRegistry: registration, local lookup, advertisement bounds, the
 // target-side check of every remote op, keys, and revocation.
+#include "core/region_registry.h"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include "core/region_registry.h"
 
 namespace ferry {
 namespace {
@@ -53,8 +54,8 @@ inline bool MentionsNumber(const std::string& text, uint64_t n) {
 // The message names region `id` as "region <id>" (not merely contains the digit).
 ::testing::AssertionResult NamesRegion(const Status& s, RegionId id) {
   if (MentionsAfter(s.message(), "region", 3, id)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "message does not name region " << id << ": "
-                                       << s.to_string();
+  return ::testing::AssertionFailure()
+         << "message does not name region " << id << ": " << s.to_string();
 }
 
 // The message contains `n` as a whole decimal or hex number.
@@ -269,9 +270,8 @@ TEST_F(RegionRegistryTest, AdvertiseToEnd) {
 TEST_F(RegionRegistryTest, AdvertiseOutOfBounds) {
   struct Case {
     uint64_t off, len;
-  } bad[] = {{0, kSize + 1},       {1, kSize},         {kSize, 1},
-             {kSize + 1, kMax},    {kSize - 1, 2},     {kMax, 1},
-             {kMax, kMax},         {8, kMax - 4},      {kMax - 2, 10}};
+  } bad[] = {{0, kSize + 1}, {1, kSize},   {kSize, 1},    {kSize + 1, kMax}, {kSize - 1, 2},
+             {kMax, 1},      {kMax, kMax}, {8, kMax - 4}, {kMax - 2, 10}};
   for (const auto& c : bad) {
     auto d = reg_.advertise(kEngine, region_.id, c.off, c.len, kAccessReadWrite);
     ASSERT_FALSE(d.ok()) << "advertised [" << c.off << ", +" << c.len << ") of a " << kSize
@@ -362,11 +362,15 @@ TEST_F(RegionRegistryTest, CheckRemoteKeyIsBoundToRangeAndAccess) {
       {"length widened", [](RemoteAccessRequest& r) { r.adv_length += 1; }, kAccessRead},
       {"length widened to the region", [](RemoteAccessRequest& r) { r.adv_length = kSize - 1000; },
        kAccessRead},
-      {"start moved down", [](RemoteAccessRequest& r) { r.adv_offset -= 1000; r.adv_length += 1000; },
+      {"start moved down",
+       [](RemoteAccessRequest& r) {
+         r.adv_offset -= 1000;
+         r.adv_length += 1000;
+       },
        kAccessRead},
       {"range shifted", [](RemoteAccessRequest& r) { r.adv_offset += 500; }, kAccessRead},
-      {"read upgraded to read-write",
-       [](RemoteAccessRequest& r) { r.access = kAccessReadWrite; }, kAccessWrite},
+      {"read upgraded to read-write", [](RemoteAccessRequest& r) { r.access = kAccessReadWrite; },
+       kAccessWrite},
       {"read upgraded to write", [](RemoteAccessRequest& r) { r.access = kAccessWrite; },
        kAccessWrite},
       {"read claimed as read-write, reading",
@@ -378,8 +382,8 @@ TEST_F(RegionRegistryTest, CheckRemoteKeyIsBoundToRangeAndAccess) {
     RegionPin pin;
     auto p = reg_.check_remote(req, t.wanted, &pin);
     ASSERT_FALSE(p.ok()) << t.what << " was accepted";
-    EXPECT_EQ(p.status().code(), StatusCode::kPermissionDenied) << t.what << ": "
-                                                                 << p.status().to_string();
+    EXPECT_EQ(p.status().code(), StatusCode::kPermissionDenied)
+        << t.what << ": " << p.status().to_string();
     EXPECT_TRUE(NamesRegion(p.status(), region_.id)) << t.what;
     EXPECT_EQ(pin.get(), nullptr);
   }
@@ -398,9 +402,8 @@ TEST_F(RegionRegistryTest, CheckRemoteOutsideAdvertisedRange) {
   struct Case {
     uint64_t off, len;
   } bad[] = {
-      {0, 4097},         {4096, 1},        {4095, 2},         {5000, 1},
-      {kMax, 1},         {kMax - 7, 16},   {1, kMax},         {16, kMax - 8},
-      {kMax - 4095, 4096}, {4096, kMax},
+      {0, 4097},      {4096, 1}, {4095, 2},      {5000, 1},           {kMax, 1},
+      {kMax - 7, 16}, {1, kMax}, {16, kMax - 8}, {kMax - 4095, 4096}, {4096, kMax},
   };
   for (const auto& c : bad) {
     for (uint8_t wanted : {kAccessRead, kAccessWrite}) {
@@ -524,6 +527,41 @@ TEST_F(RegionRegistryTest, RemoveWaitsForPin) {
   const bool was_released = released.load();
   holder.join();
   EXPECT_TRUE(was_released) << "remove() returned while an op still held a pin on the region";
+}
+
+// remove() marks the region revoked before waiting, and asks the pin's owner
+// to let go (at once, then again every 10 ms) until it does.
+TEST_F(RegionRegistryTest, RemoveAsksHoldersToReleaseUntilTheyDo) {
+  const RemoteDescriptor d = Advertise(0, kMax, kAccessReadWrite);
+  RegionPin pin;
+  ASSERT_TRUE(reg_.check_remote(RequestFor(d, 0, 8), kAccessWrite, &pin).ok());
+  Region* region = pin.get();
+  ASSERT_NE(region, nullptr);
+  EXPECT_FALSE(region->revoked.load());
+  std::mutex mu;
+  int calls = 0;
+  bool revoked_when_asked = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(reg_.remove(region_.id,
+                          [&] {
+                            std::lock_guard lock(mu);
+                            revoked_when_asked = revoked_when_asked && region->revoked.load();
+                            // The owner lets go on the third request.
+                            if (++calls == 3) pin = RegionPin();
+                          })
+                  .ok());
+  EXPECT_EQ(calls, 3);
+  EXPECT_TRUE(revoked_when_asked) << "release was asked before the region was marked revoked";
+  EXPECT_EQ(pin.get(), nullptr);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(15))
+      << "release requests came faster than every 10 ms";
+}
+
+// Nothing holds the region: remove() never asks anyone.
+TEST_F(RegionRegistryTest, RemoveWithoutHoldersDoesNotAskForRelease) {
+  bool asked = false;
+  ASSERT_TRUE(reg_.remove(region_.id, [&] { asked = true; }).ok());
+  EXPECT_FALSE(asked);
 }
 
 TEST_F(RegionRegistryTest, RemoveRevokesAtOnceEvenWhileWaiting) {
