@@ -183,7 +183,7 @@ void Worker::run() {
     for (auto& s : to_flush) {
       if (!s->closed) transport_.on_writable(*s);
     }
-    if (release_requested_.exchange(false)) {
+    if (release_requested_.load(std::memory_order_relaxed) && release_requested_.exchange(false)) {
       std::vector<std::shared_ptr<Stream>> all;
       {
         std::lock_guard lock(mu_);
