@@ -9,7 +9,7 @@
 namespace ferry::tcp {
 namespace {
 
-// Completion threads: FERRY_TCP_GPU_COMPLETION_THREADS (1..16, a diagnostic
+// Callback threads: FERRY_TCP_GPU_COMPLETION_THREADS (1..16, a diagnostic
 // knob), else 4.
 size_t completion_threads() {
   if (const char* v = std::getenv("FERRY_TCP_GPU_COMPLETION_THREADS"); v != nullptr && *v != 0) {
@@ -36,27 +36,35 @@ GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget)
     tracing_ = true;
   }
   const size_t n = completion_threads();
-  for (size_t i = 0; i < n; ++i) completion_threads_.emplace_back([this] { completion_loop(); });
+  for (size_t i = 0; i < n; ++i) callback_threads_.emplace_back([this] { callback_loop(); });
+  watch_thread_ = std::thread([this] { watch_loop(); });
   job_thread_ = std::thread([this] { job_loop(); });
   submit_thread_ = std::thread([this] { submit_loop(); });
 }
 
 GpuPath::~GpuPath() {
-  // Jobs may still queue copies, and queued copies still produce waits:
-  // drain in that order.
+  // Jobs may still queue copies, queued copies still produce waits, and
+  // finished waits still have callbacks to run: drain in that order.
   {
     std::lock_guard lock(mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  submit_cv_.notify_all();
+  job_cv_.notify_all();
   job_thread_.join();
   submit_thread_.join();
   {
     std::lock_guard lock(mu_);
-    stop_completion_ = true;
+    stop_watch_ = true;
   }
-  cv_.notify_all();
-  for (auto& t : completion_threads_) t.join();
+  watch_cv_.notify_all();
+  watch_thread_.join();
+  {
+    std::lock_guard lock(mu_);
+    stop_callbacks_ = true;
+  }
+  callback_cv_.notify_all();
+  for (auto& t : callback_threads_) t.join();
   if (tracing_ && !trace_.empty()) {
     const char* names[4] = {"queued for submit", "in submit", "submit end to seen done",
                             "in callback"};
@@ -116,7 +124,7 @@ void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Statu
     std::lock_guard lock(mu_);
     submits_.push_back(Submit{std::move(copies), std::move(done), Clock::now()});
   }
-  cv_.notify_all();
+  submit_cv_.notify_one();
 }
 
 void GpuPath::submit_loop() {
@@ -124,7 +132,7 @@ void GpuPath::submit_loop() {
     Submit job;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !submits_.empty(); });
+      submit_cv_.wait(lock, [&] { return stop_ || !submits_.empty(); });
       if (submits_.empty()) return;
       job = std::move(submits_.front());
       submits_.pop_front();
@@ -154,7 +162,7 @@ void GpuPath::submit_loop() {
       std::lock_guard lock(mu_);
       waiting_.push_back(std::move(w));
     }
-    cv_.notify_all();
+    watch_cv_.notify_one();
   }
 }
 
@@ -163,44 +171,64 @@ void GpuPath::run(std::function<void()> job) {
     std::lock_guard lock(mu_);
     jobs_.push_back(std::move(job));
   }
-  cv_.notify_all();
+  job_cv_.notify_one();
 }
 
-void GpuPath::completion_loop() {
-  for (;;) {
-    Waiting w;
-    {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_completion_ || !waiting_.empty(); });
-      if (waiting_.empty()) return;
-      w = std::move(waiting_.front());
-      waiting_.pop_front();
-    }
-    Status status = w.submit_error;
-    for (auto& [stream, ticket] : w.tickets) {
-      Status s = wait(stream, ticket);
-      if (status.ok() && !s.ok()) status = s;
-    }
-    if (!status.ok()) {
-      status = Status(status.code(), "GPU staging copy failed: " + status.message());
-    }
-    const auto seen = Clock::now();
-    w.done(status);
-    if (tracing_) trace(w, seen, Clock::now());
-  }
-}
-
-// Like CopyStream::wait, but the back-off stops at 20 us instead of 500 us: a
-// staging copy takes ~20 us (1 MiB at PCIe speed) and the frame waits for it.
-Status GpuPath::wait(CopyStream* stream, uint64_t ticket) {
-  const auto start = std::chrono::steady_clock::now();
+// Polls the oldest submitted copies and passes each finished one on. Copies
+// on one stream finish in submission order, so only the front is polled
+// (a later one on another device waits for it: latency, never correctness).
+// Back-off: yield for 30 us, then sleep 2 us doubling to 20 us -- a staging
+// copy takes ~20 us (1 MiB at PCIe speed) and the frame waits for it.
+void GpuPath::watch_loop() {
+  std::deque<Waiting> mine;
+  auto idle_since = Clock::now();
   auto nap = std::chrono::microseconds(0);
   for (;;) {
-    Status s = stream->poll(ticket);
-    if (s.code() != StatusCode::kInProgress) return s;
+    {
+      std::unique_lock lock(mu_);
+      if (mine.empty()) {
+        watch_cv_.wait(lock, [&] { return stop_watch_ || !waiting_.empty(); });
+        if (waiting_.empty()) return;
+      }
+      while (!waiting_.empty()) {
+        mine.push_back(std::move(waiting_.front()));
+        waiting_.pop_front();
+      }
+    }
+    size_t finished = 0;
+    while (!mine.empty()) {
+      Waiting& w = mine.front();
+      Status status = w.submit_error;
+      bool done = true;
+      for (auto& [stream, ticket] : w.tickets) {
+        if (!status.ok()) break;
+        Status s = stream->poll(ticket);
+        if (s.code() == StatusCode::kInProgress) {
+          done = false;
+          break;
+        }
+        status = s;
+      }
+      if (!done) break;
+      if (!status.ok()) {
+        status = Status(status.code(), "GPU staging copy failed: " + status.message());
+      }
+      {
+        std::lock_guard lock(mu_);
+        finished_.push_back(Finished{std::move(w), std::move(status), Clock::now()});
+      }
+      callback_cv_.notify_one();
+      mine.pop_front();
+      ++finished;
+    }
+    if (mine.empty() || finished > 0) {
+      idle_since = Clock::now();
+      nap = std::chrono::microseconds(0);
+      continue;
+    }
     if (nap.count() == 0) {
       std::this_thread::yield();
-      if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(30)) {
+      if (Clock::now() - idle_since > std::chrono::microseconds(30)) {
         nap = std::chrono::microseconds(2);
       }
     } else {
@@ -210,12 +238,27 @@ Status GpuPath::wait(CopyStream* stream, uint64_t ticket) {
   }
 }
 
+void GpuPath::callback_loop() {
+  for (;;) {
+    Finished f;
+    {
+      std::unique_lock lock(mu_);
+      callback_cv_.wait(lock, [&] { return stop_callbacks_ || !finished_.empty(); });
+      if (finished_.empty()) return;
+      f = std::move(finished_.front());
+      finished_.pop_front();
+    }
+    f.w.done(f.status);
+    if (tracing_) trace(f.w, f.seen, Clock::now());
+  }
+}
+
 void GpuPath::job_loop() {
   for (;;) {
     std::function<void()> job;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      job_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
       if (jobs_.empty()) return;
       job = std::move(jobs_.front());
       jobs_.pop_front();

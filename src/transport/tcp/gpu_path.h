@@ -4,13 +4,16 @@
 // run while the next one is received. No I/O thread ever waits for a copy:
 // completion threads do, then hand the frame (or the acknowledgement) back to
 // the data path -- which sends it from that thread (sendmsg, non-blocking).
-// There are several completion threads so that frames of different streams
-// are sent in parallel, as the I/O threads send host-memory frames: with one,
-// every GPU read response of a peer went out through one thread (GPU reads at
-// 0.72x host memory at 1 MiB blocks on an H100 machine). Callbacks may
-// therefore run out of submission order; the data path does not depend on
-// their order (responses keep their order through the stream's deferred
-// queue, each frame carries its own pending entry).
+// One watcher thread polls the copies (in submission order, the order they
+// finish on a stream) and hands finished ones to several callback threads, so
+// that frames of different streams are sent in parallel, as the I/O threads
+// send host-memory frames: with one thread, every GPU read response of a peer
+// went out through it (GPU reads at 0.72x host memory at 1 MiB blocks on an
+// H100 machine). Only one thread polls: when every completion thread polled
+// its own copy, they contended for the copy stream's lock with the submit
+// thread. Callbacks may run out of submission order; the data path does not
+// depend on their order (responses keep their order through the stream's
+// deferred queue, each frame carries its own pending entry).
 #pragma once
 
 #include <array>
@@ -60,10 +63,10 @@ class GpuPath {
  private:
   GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget);
   Result<CopyStream*> stream(int device);
-  void completion_loop();
+  void watch_loop();
+  void callback_loop();
   void job_loop();
   void submit_loop();
-  Status wait(CopyStream* stream, uint64_t ticket);
 
   using Clock = std::chrono::steady_clock;
   struct Submit {
@@ -76,6 +79,11 @@ class GpuPath {
     Status submit_error;
     std::function<void(Status)> done;
     Clock::time_point queued, submit_begin, submit_end;
+  };
+  struct Finished {
+    Waiting w;
+    Status status;
+    Clock::time_point seen;
   };
   // FERRY_TCP_GPU_TRACE=1: per frame, microseconds queued for the submit
   // thread, inside submit, until the copy was seen done, inside the callback;
@@ -90,14 +98,19 @@ class GpuPath {
   std::mutex streams_mu_;
   std::map<int, std::unique_ptr<CopyStream>> streams_;
 
+  // One lock, a condition variable per kind of thread (a shared one, with
+  // notify_all, woke all six threads for every frame).
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Waiting> waiting_;
-  std::deque<std::function<void()>> jobs_;
+  std::condition_variable submit_cv_, job_cv_, watch_cv_, callback_cv_;
   std::deque<Submit> submits_;
-  bool stop_ = false;             // job and submit threads: drain, then exit
-  bool stop_completion_ = false;  // completion threads: drain, then exit
-  std::vector<std::thread> completion_threads_;
+  std::deque<std::function<void()>> jobs_;
+  std::deque<Waiting> waiting_;    // submitted, for the watcher
+  std::deque<Finished> finished_;  // for the callback threads
+  bool stop_ = false;              // job and submit threads: drain, then exit
+  bool stop_watch_ = false;        // watcher: drain, then exit
+  bool stop_callbacks_ = false;    // callback threads: drain, then exit
+  std::thread watch_thread_;
+  std::vector<std::thread> callback_threads_;
   std::thread job_thread_;
   std::thread submit_thread_;
 };
