@@ -535,7 +535,8 @@ void TcpTransport::release_revoked(Stream& s) {
   if (s.rx == Stream::Rx::kPayload && !s.reading) {
     if (Region* r = first_revoked(s.pins)) {
       const uint64_t left = s.payload.remaining();
-      const uint64_t placed = s.hdr.payload_bytes - left - s.discard_left;
+      // Into GPU memory the bytes so far are only staged: none reach the region.
+      const uint64_t placed = s.slot ? 0 : s.hdr.payload_bytes - left - s.discard_left;
       s.write_verdict = err::NotFound(fmt::format(
           "region {} was deregistered while write {} was arriving: {} of this frame's {} bytes "
           "were placed, the rest was discarded",
