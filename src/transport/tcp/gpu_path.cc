@@ -119,6 +119,16 @@ Result<CopyStream*> GpuPath::stream(int device) {
   return s.get();
 }
 
+template <typename T>
+bool GpuPath::take(std::condition_variable& cv, std::deque<T>& queue, const bool& stop, T* out) {
+  std::unique_lock lock(mu_);
+  cv.wait(lock, [&] { return stop || !queue.empty(); });
+  if (queue.empty()) return false;
+  *out = std::move(queue.front());
+  queue.pop_front();
+  return true;
+}
+
 void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done) {
   {
     std::lock_guard lock(mu_);
@@ -130,13 +140,7 @@ void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Statu
 void GpuPath::submit_loop() {
   for (;;) {
     Submit job;
-    {
-      std::unique_lock lock(mu_);
-      submit_cv_.wait(lock, [&] { return stop_ || !submits_.empty(); });
-      if (submits_.empty()) return;
-      job = std::move(submits_.front());
-      submits_.pop_front();
-    }
+    if (!take(submit_cv_, submits_, stop_, &job)) return;
     Waiting w;
     w.done = std::move(job.done);
     w.queued = job.queued;
@@ -241,13 +245,7 @@ void GpuPath::watch_loop() {
 void GpuPath::callback_loop() {
   for (;;) {
     Finished f;
-    {
-      std::unique_lock lock(mu_);
-      callback_cv_.wait(lock, [&] { return stop_callbacks_ || !finished_.empty(); });
-      if (finished_.empty()) return;
-      f = std::move(finished_.front());
-      finished_.pop_front();
-    }
+    if (!take(callback_cv_, finished_, stop_callbacks_, &f)) return;
     f.w.done(f.status);
     if (tracing_) trace(f.w, f.seen, Clock::now());
   }
@@ -256,13 +254,7 @@ void GpuPath::callback_loop() {
 void GpuPath::job_loop() {
   for (;;) {
     std::function<void()> job;
-    {
-      std::unique_lock lock(mu_);
-      job_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
-    }
+    if (!take(job_cv_, jobs_, stop_, &job)) return;
     job();
   }
 }

@@ -63,6 +63,10 @@ class GpuPath {
  private:
   GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget);
   Result<CopyStream*> stream(int device);
+  // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
+  // `out`; false once `stop` is set and the queue is drained.
+  template <typename T>
+  bool take(std::condition_variable& cv, std::deque<T>& queue, const bool& stop, T* out);
   void watch_loop();
   void callback_loop();
   void job_loop();
