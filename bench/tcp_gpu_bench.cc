@@ -2,8 +2,10 @@
 // alternating in one run (loopback, two engines in this process, real
 // sockets). Workload: --block bytes x --batch iovs per WRITE (and READ).
 // Prints one table row per (memory, op) and the ratio GPU / host.
-// --read-only skips the writes. --mix also measures one-sided staging (GPU memory on one side only:
-// local GPU / remote host, local host / remote GPU), each against host/host.
+// --rotate N cycles each call through N slices of N-times larger buffers (a
+// working set beyond the CPU caches, as KV-cache traffic has). --read-only skips the writes. --mix
+// also measures one-sided staging (GPU memory on one side only: local GPU / remote host, local host
+// / remote GPU), each against host/host.
 // --depth N (N > 1) adds, beside each blocking row, a row with N async calls in
 // flight (write_async/read_async, a new one started as the oldest completes),
 // host and GPU alike; the calls in flight share the same buffers (throughput
@@ -31,15 +33,23 @@ struct Side {
   RemoteDescriptor remote;
 };
 
+// Call k uses slice k % slices of each buffer (--rotate): with one slice every
+// call reuses the same, cache-warm bytes.
 double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block, size_t batch,
-           int iters, int depth) {
-  std::vector<LocalIov> l(batch);
-  std::vector<RemoteIov> r(batch);
-  for (size_t i = 0; i < batch; ++i) {
-    l[i] = {side.local + i * block, block};
-    r[i] = {&side.remote, i * block, block};
+           int iters, int depth, int slices) {
+  std::vector<std::vector<LocalIov>> ls(slices, std::vector<LocalIov>(batch));
+  std::vector<std::vector<RemoteIov>> rs(slices, std::vector<RemoteIov>(batch));
+  for (int k = 0; k < slices; ++k) {
+    const uint64_t base = static_cast<uint64_t>(k) * block * batch;
+    for (size_t i = 0; i < batch; ++i) {
+      ls[k][i] = {side.local + base + i * block, block};
+      rs[k][i] = {&side.remote, base + i * block, block};
+    }
   }
+  uint64_t call = 0;
   auto once = [&] {
+    const auto& l = ls[call % slices];
+    const auto& r = rs[call++ % slices];
     Status s = write ? e.write(peer, l, r) : e.read(peer, l, r);
     if (!s.ok()) {
       std::fprintf(stderr, "transfer failed: %s\n", s.to_string().c_str());
@@ -47,6 +57,8 @@ double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block,
     }
   };
   auto start = [&] {
+    const auto& l = ls[call % slices];
+    const auto& r = rs[call++ % slices];
     Result<TransferId> t = write ? e.write_async(peer, l, r) : e.read_async(peer, l, r);
     if (!t.ok()) {
       std::fprintf(stderr, "transfer failed to start: %s\n", t.status().to_string().c_str());
@@ -85,7 +97,7 @@ double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block,
 int main(int argc, char** argv) {
   uint64_t block = 1 << 20;
   size_t batch = 16;
-  int iters = 40, reps = 5, depth = 1;
+  int iters = 40, reps = 5, depth = 1, slices = 1;
   bool mix = false, read_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--mix") mix = true;
@@ -102,13 +114,14 @@ int main(int argc, char** argv) {
     if (a == "--iters") iters = std::stoi(argv[i + 1]);
     if (a == "--reps") reps = std::stoi(argv[i + 1]);
     if (a == "--depth") depth = std::max(1, std::stoi(argv[i + 1]));
+    if (a == "--rotate") slices = std::max(1, std::stoi(argv[i + 1]));
   }
   std::string reason;
   if (!cuda_available(&reason)) {
     std::printf("skipped: %s\n", reason.c_str());
     return 0;
   }
-  const size_t bytes = block * batch;
+  const size_t bytes = block * batch * slices;
   auto a = Engine::create().value();
   auto b = Engine::create().value();
   std::vector<uint8_t> host_a(bytes, 1), host_b(bytes, 2);
@@ -128,8 +141,10 @@ int main(int argc, char** argv) {
   const Side gpu{static_cast<uint8_t*>(gpu_a), b->advertise(rgb.id).value()};
   const Side gpu_to_host{static_cast<uint8_t*>(gpu_a), b->advertise(rhb.id).value()};
   const Side host_to_gpu{host_a.data(), b->advertise(rgb.id).value()};
-  std::printf("tcp loopback, %llu B x %zu iovs per call, median of %d runs of %d calls\n",
-              static_cast<unsigned long long>(block), batch, reps, iters);
+  std::printf(
+      "tcp loopback, %llu B x %zu iovs per call, median of %d runs of %d calls, %d buffer "
+      "slice(s) in turn\n",
+      static_cast<unsigned long long>(block), batch, reps, iters, slices);
   std::printf("%-8s %-12s %-12s %-8s\n", "op", "host GB/s", "GPU GB/s", "GPU/host");
   struct Variant {
     const char* name;
@@ -148,8 +163,8 @@ int main(int argc, char** argv) {
       for (int d : depths) {
         std::vector<double> h, g;
         for (int rep = 0; rep < reps; ++rep) {  // alternate: same conditions for both
-          h.push_back(run(*a, peer, host, write, block, batch, iters, d));
-          g.push_back(run(*a, peer, *v.side, write, block, batch, iters, d));
+          h.push_back(run(*a, peer, host, write, block, batch, iters, d, slices));
+          g.push_back(run(*a, peer, *v.side, write, block, batch, iters, d, slices));
         }
         std::sort(h.begin(), h.end());
         std::sort(g.begin(), g.end());
@@ -160,10 +175,10 @@ int main(int argc, char** argv) {
                     v.side == &gpu ? "" : (std::string("  ") + v.name).c_str());
         std::printf(
             "{\"bench\":\"tcp_gpu\",\"variant\":\"%s\",\"op\":\"%s\",\"depth\":%d,"
-            "\"block_size\":%llu,\"batch\":%zu,\"host_gbps\":%.3f,\"gpu_gbps\":%.3f,"
+            "\"block_size\":%llu,\"batch\":%zu,\"slices\":%d,\"host_gbps\":%.3f,\"gpu_gbps\":%.3f,"
             "\"ratio\":%.3f}\n",
-            v.name, write ? "write" : "read", d, static_cast<unsigned long long>(block), batch, hm,
-            gm, gm / hm);
+            v.name, write ? "write" : "read", d, static_cast<unsigned long long>(block), batch,
+            slices, hm, gm, gm / hm);
       }
     }
   }
