@@ -10,13 +10,23 @@
 // flight (write_async/read_async, a new one started as the oldest completes),
 // host and GPU alike; the calls in flight share the same buffers (throughput
 // only, the bytes are not checked).
+// --host-alloc pinned puts the host reference in cudaHostAlloc memory, as the
+// GPU path's staging is (to tell the kind of memory from the copies' cost).
+// --cpu prints, per row, the CPU time of each kind of thread (by thread name,
+// both engines together) as a share of one core over the measured calls.
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -33,10 +43,35 @@ struct Side {
   RemoteDescriptor remote;
 };
 
+// CPU seconds per thread name: utime + stime, and stime alone (the kernel's
+// share: socket copies) as "NAME sys" (/proc/self/task/*/stat).
+std::map<std::string, double> cpu_by_thread_name() {
+  std::map<std::string, double> out;
+  const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(task.path() / "stat");
+    std::string line;
+    if (!std::getline(in, line)) continue;
+    const auto open = line.find('('), close = line.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    const std::string name = line.substr(open + 1, close - open - 1);
+    std::istringstream rest(line.substr(close + 2));
+    std::string field;
+    double utime = 0, stime = 0;
+    for (int k = 3; k <= 15 && rest >> field; ++k) {  // fields 14, 15: utime, stime
+      if (k == 14) utime = std::stod(field);
+      if (k == 15) stime = std::stod(field);
+    }
+    out[name] += (utime + stime) / tick;
+    out[name + " sys"] += stime / tick;
+  }
+  return out;
+}
+
 // Call k uses slice k % slices of each buffer (--rotate): with one slice every
 // call reuses the same, cache-warm bytes.
 double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block, size_t batch,
-           int iters, int depth, int slices) {
+           int iters, int depth, int slices, std::map<std::string, double>* cpu) {
   std::vector<std::vector<LocalIov>> ls(slices, std::vector<LocalIov>(batch));
   std::vector<std::vector<RemoteIov>> rs(slices, std::vector<RemoteIov>(batch));
   for (int k = 0; k < slices; ++k) {
@@ -74,6 +109,7 @@ double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block,
     }
   };
   for (int i = 0; i < 3; ++i) once();
+  const auto cpu0 = cpu ? cpu_by_thread_name() : std::map<std::string, double>{};
   const auto t0 = Clock::now();
   if (depth <= 1) {
     for (int i = 0; i < iters; ++i) once();
@@ -89,6 +125,12 @@ double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block,
     for (TransferId t : q) finish(t);
   }
   const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (cpu) {
+    for (const auto& [name, sec] : cpu_by_thread_name()) {
+      const auto before = cpu0.find(name);
+      (*cpu)[name] += (sec - (before == cpu0.end() ? 0 : before->second)) / s;
+    }
+  }
   return static_cast<double>(block) * batch * iters / s / 1e9;
 }
 
@@ -98,14 +140,16 @@ int main(int argc, char** argv) {
   uint64_t block = 1 << 20;
   size_t batch = 16;
   int iters = 40, reps = 5, depth = 1, slices = 1;
-  bool mix = false, read_only = false;
+  std::string host_alloc = "vector";
+  bool mix = false, read_only = false, cpu = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--mix") mix = true;
     if (std::string(argv[i]) == "--read-only") read_only = true;
+    if (std::string(argv[i]) == "--cpu") cpu = true;
   }
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
-    if (a == "--mix" || a == "--read-only") {
+    if (a == "--mix" || a == "--read-only" || a == "--cpu") {
       --i;
       continue;
     }
@@ -115,6 +159,7 @@ int main(int argc, char** argv) {
     if (a == "--reps") reps = std::stoi(argv[i + 1]);
     if (a == "--depth") depth = std::max(1, std::stoi(argv[i + 1]));
     if (a == "--rotate") slices = std::max(1, std::stoi(argv[i + 1]));
+    if (a == "--host-alloc") host_alloc = argv[i + 1];
   }
   std::string reason;
   if (!cuda_available(&reason)) {
@@ -124,7 +169,25 @@ int main(int argc, char** argv) {
   const size_t bytes = block * batch * slices;
   auto a = Engine::create().value();
   auto b = Engine::create().value();
-  std::vector<uint8_t> host_a(bytes, 1), host_b(bytes, 2);
+  // --host-alloc pinned: the host reference in cudaHostAlloc memory (as the
+  // GPU path's staging is), to tell the memory's kind from the copies' cost.
+  std::vector<uint8_t> vec_a, vec_b;
+  uint8_t *host_a_ptr = nullptr, *host_b_ptr = nullptr;
+  if (host_alloc == "pinned") {
+    cudaHostAlloc(reinterpret_cast<void**>(&host_a_ptr), bytes, cudaHostAllocPortable);
+    cudaHostAlloc(reinterpret_cast<void**>(&host_b_ptr), bytes, cudaHostAllocPortable);
+    std::memset(host_a_ptr, 1, bytes);
+    std::memset(host_b_ptr, 2, bytes);
+  } else {
+    vec_a.assign(bytes, 1);
+    vec_b.assign(bytes, 2);
+    host_a_ptr = vec_a.data();
+    host_b_ptr = vec_b.data();
+  }
+  struct HostView {
+    uint8_t* p;
+    uint8_t* data() const { return p; }
+  } host_a{host_a_ptr}, host_b{host_b_ptr};
   void *gpu_a = nullptr, *gpu_b = nullptr;
   cudaSetDevice(0);
   if (cudaMalloc(&gpu_a, bytes) != cudaSuccess || cudaMalloc(&gpu_b, bytes) != cudaSuccess) {
@@ -162,9 +225,12 @@ int main(int argc, char** argv) {
       if (write && read_only) continue;
       for (int d : depths) {
         std::vector<double> h, g;
+        std::map<std::string, double> hcpu, gcpu;
         for (int rep = 0; rep < reps; ++rep) {  // alternate: same conditions for both
-          h.push_back(run(*a, peer, host, write, block, batch, iters, d, slices));
-          g.push_back(run(*a, peer, *v.side, write, block, batch, iters, d, slices));
+          h.push_back(
+              run(*a, peer, host, write, block, batch, iters, d, slices, cpu ? &hcpu : nullptr));
+          g.push_back(
+              run(*a, peer, *v.side, write, block, batch, iters, d, slices, cpu ? &gcpu : nullptr));
         }
         std::sort(h.begin(), h.end());
         std::sort(g.begin(), g.end());
@@ -179,6 +245,19 @@ int main(int argc, char** argv) {
             "\"ratio\":%.3f}\n",
             v.name, write ? "write" : "read", d, static_cast<unsigned long long>(block), batch,
             slices, hm, gm, gm / hm);
+        if (cpu) {  // mean over the repetitions, in cores
+          std::printf("  cpu (cores):");
+          for (const auto* m : {&hcpu, &gcpu}) {
+            std::printf(" %s [", m == &hcpu ? "host" : "gpu");
+            for (const auto& [name, c] : *m) {
+              if (name.ends_with(" sys") || c / reps < 0.01) continue;
+              std::printf(" %s=%.2f(sys %.2f)", name.c_str(), c / reps,
+                          m->at(name + " sys") / reps);
+            }
+            std::printf(" ]");
+          }
+          std::printf("\n");
+        }
       }
     }
   }

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "core/thread_name.h"
 #include "fmt/format.h"
 
 namespace ferry::tcp {
@@ -21,25 +22,41 @@ size_t completion_threads() {
 
 }  // namespace
 
-Result<std::unique_ptr<GpuPath>> GpuPath::create(size_t staging_bytes, uint32_t sm_budget) {
+Result<std::unique_ptr<GpuPath>> GpuPath::create(size_t staging_bytes, uint32_t sm_budget,
+                                                 const std::string& thread_prefix) {
   std::string reason;
   if (!cuda_available(&reason)) return err::NotSupported("GPU memory over tcp: " + reason);
   const size_t slots = std::max<size_t>(2, staging_bytes / kGpuFramePayload);
   auto pool = StagingPool::create(kGpuFramePayload, slots);
   if (!pool.ok()) return pool.status();
-  return std::unique_ptr<GpuPath>(new GpuPath(std::move(pool.value()), sm_budget));
+  return std::unique_ptr<GpuPath>(new GpuPath(std::move(pool.value()), sm_budget, thread_prefix));
 }
 
-GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget)
+GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget,
+                 const std::string& thread_prefix)
     : pool_(std::move(pool)), sm_budget_(sm_budget) {
   if (const char* v = std::getenv("FERRY_TCP_GPU_TRACE"); v != nullptr && *v == '1') {
     tracing_ = true;
   }
   const size_t n = completion_threads();
-  for (size_t i = 0; i < n; ++i) callback_threads_.emplace_back([this] { callback_loop(); });
-  watch_thread_ = std::thread([this] { watch_loop(); });
-  job_thread_ = std::thread([this] { job_loop(); });
-  submit_thread_ = std::thread([this] { submit_loop(); });
+  for (size_t i = 0; i < n; ++i) {
+    callback_threads_.emplace_back([this, thread_prefix] {
+      name_this_thread(thread_prefix + "-gpu-cb");
+      callback_loop();
+    });
+  }
+  watch_thread_ = std::thread([this, thread_prefix] {
+    name_this_thread(thread_prefix + "-gpu-poll");
+    watch_loop();
+  });
+  job_thread_ = std::thread([this, thread_prefix] {
+    name_this_thread(thread_prefix + "-gpu-job");
+    job_loop();
+  });
+  submit_thread_ = std::thread([this, thread_prefix] {
+    name_this_thread(thread_prefix + "-gpu-sub");
+    submit_loop();
+  });
 }
 
 GpuPath::~GpuPath() {

@@ -46,7 +46,9 @@ struct DeviceCopy {
 class GpuPath {
  public:
   // NotSupported (with the reason) without CUDA or a device.
-  static Result<std::unique_ptr<GpuPath>> create(size_t staging_bytes, uint32_t sm_budget);
+  // Threads are named `thread_prefix`-gpu-... (at most 15 characters kept).
+  static Result<std::unique_ptr<GpuPath>> create(size_t staging_bytes, uint32_t sm_budget,
+                                                 const std::string& thread_prefix);
   ~GpuPath();
 
   Result<std::unique_ptr<StagingSlot>> acquire_slot();
@@ -61,7 +63,7 @@ class GpuPath {
   void run(std::function<void()> job);
 
  private:
-  GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget);
+  GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget, const std::string& thread_prefix);
   Result<CopyStream*> stream(int device);
   // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
   // `out`; false once `stop` is set and the queue is drained.

@@ -348,7 +348,7 @@ bool TcpTransport::enqueue_on(Stream& s, std::unique_ptr<TxFrame> frame) {
 // ------------------------------------------------------------------ send ---
 
 bool TcpTransport::flush_locked(Stream& s, Status* error) {
-  if (!s.deferred.empty()) {
+  {
     // Responses whose GPU copies finished may go, in request order.
     std::lock_guard g(s.def_mu);
     while (!s.deferred.empty() && s.deferred.front()->ready) {
@@ -429,12 +429,15 @@ void TcpTransport::respond(Stream& s, std::unique_ptr<TxFrame> frame) {
   {
     std::lock_guard lock(s.tx_mu);
     if (s.dead) return;
-    if (!s.deferred.empty()) {
-      auto d = std::make_shared<Deferred>();
-      d->ready = true;
-      d->frame = std::move(frame);
-      s.deferred.push_back(std::move(d));
-      return;
+    {
+      std::lock_guard g(s.def_mu);
+      if (!s.deferred.empty()) {  // behind a GPU copy's response: keep the order
+        auto d = std::make_shared<Deferred>();
+        d->ready = true;
+        d->frame = std::move(frame);
+        s.deferred.push_back(std::move(d));
+        return;
+      }
     }
     if (s.rx_corked.load(std::memory_order_relaxed)) {
       // Inside a receive pass: queue it; the pass ends with one flush for all
@@ -448,8 +451,11 @@ void TcpTransport::respond(Stream& s, std::unique_ptr<TxFrame> frame) {
 }
 
 std::shared_ptr<Deferred> TcpTransport::defer(Stream& s) {
+  // def_mu only: a completion thread may hold tx_mu while it sends megabytes,
+  // and the I/O thread calling this should go on receiving meanwhile. Only
+  // this stream's I/O thread adds responses, so order needs no more than this.
   auto d = std::make_shared<Deferred>();
-  std::lock_guard lock(s.tx_mu);
+  std::lock_guard lock(s.def_mu);
   s.deferred.push_back(d);
   return d;
 }

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "core/thread_name.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
 
@@ -80,7 +81,10 @@ Status Worker::start() {
   ev.events = EPOLLIN;
   ev.data.ptr = &wake_tag_;
   epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &ev);
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    name_this_thread(fmt::format("{}-io-{}", transport_.thread_prefix(), index_));
+    run();
+  });
   return Status::Ok();
 }
 
@@ -256,6 +260,9 @@ Status TcpTransport::start(const TransportContext& context) {
   opt_.rcvbuf = static_cast<int>(o.get_uint("tcp.rcvbuf"));
   opt_.gpu_staging_bytes = o.get_uint("tcp.gpu_staging_bytes");
   opt_.gpu_sm_budget = static_cast<uint32_t>(o.get_uint("tcp.gpu_sm_budget"));
+  // Thread names tell engines of one process apart: ferry0-io-0, ferry1-io-0...
+  static std::atomic<int> engines_started{0};
+  thread_prefix_ = fmt::format("ferry{}", engines_started.fetch_add(1));
 
   auto addresses = resolve(ctx_.listen);
   if (!addresses.ok()) return addresses.status();
@@ -319,7 +326,7 @@ Result<GpuPath*> TcpTransport::gpu() {
   std::lock_guard lock(gpu_mu_);
   if (gpu_) return gpu_.get();
   if (!gpu_error_.ok()) return gpu_error_;
-  auto created = GpuPath::create(opt_.gpu_staging_bytes, opt_.gpu_sm_budget);
+  auto created = GpuPath::create(opt_.gpu_staging_bytes, opt_.gpu_sm_budget, thread_prefix_);
   if (!created.ok()) {
     gpu_error_ = created.status();
     return gpu_error_;
@@ -605,6 +612,7 @@ void TcpTransport::fail_stream(Stream& s, const Status& reason) {
     s.dead.store(true);
     frames.swap(s.txq);
     pending.swap(s.pending);
+    std::lock_guard g(s.def_mu);
     s.deferred.clear();
     if (!s.closed) ::shutdown(s.fd, SHUT_RDWR);
   }

@@ -108,10 +108,12 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   std::mutex tx_mu;
   std::deque<std::unique_ptr<TxFrame>> txq;
   std::deque<std::shared_ptr<Pending>> pending;
-  std::deque<std::shared_ptr<Deferred>> deferred;
-  // Completing a deferred response takes only def_mu (taken after tx_mu when
-  // both are held), so GPU completion threads never wait behind a sender.
+  // Responses waiting for a GPU copy, in request order; under def_mu (taken
+  // after tx_mu when both are held). Adding or completing one takes only
+  // def_mu, so neither the I/O thread nor a GPU completion thread waits
+  // behind a sender holding tx_mu.
   std::mutex def_mu;
+  std::deque<std::shared_ptr<Deferred>> deferred;
   bool want_out = false;
   bool cork_pending = false;           // responses queued during a receive pass
   std::atomic<bool> rx_corked{false};  // the worker is in a receive pass
@@ -191,6 +193,8 @@ class Worker {
 
 class TcpTransport final : public Transport {
  public:
+  // "ferryN": this engine's ordinal in the process, prefix of its thread names.
+  const std::string& thread_prefix() const { return thread_prefix_; }
   TcpTransport() = default;
   ~TcpTransport() override;
 
@@ -278,6 +282,7 @@ class TcpTransport final : public Transport {
   std::map<std::pair<PeerId, uint64_t>, std::shared_ptr<Group>> groups_;
   std::mutex connect_mu_;
   bool stopped_ = false;
+  std::string thread_prefix_ = "ferry";
   std::mutex gpu_mu_;
   std::unique_ptr<GpuPath> gpu_;
   Status gpu_error_;
