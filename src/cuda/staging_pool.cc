@@ -24,11 +24,11 @@ Result<std::unique_ptr<StagingPool>> StagingPool::create(size_t slot_bytes, size
                          " bytes for GPU staging failed: " + cudaGetErrorString(e));
   }
   return std::unique_ptr<StagingPool>(
-      new StagingPool(static_cast<uint8_t*>(base), slot_bytes, slot_count));
+      new StagingPool(static_cast<uint8_t*>(base), slot_bytes, slot_count, true));
 }
 
 StagingPool::~StagingPool() {
-  cudaFreeHost(base_);
+  if (owned_) cudaFreeHost(base_);
 }
 
 }  // namespace ferry

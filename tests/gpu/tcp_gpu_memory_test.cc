@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -287,6 +288,79 @@ TEST_F(TcpGpuMemory, AsyncWritesInFlightTogether) {
   }
   EXPECT_EQ(target_.ask("sum gpu 0 " + std::to_string(image.size())),
             "sum " + std::to_string(gputest::fnv(image.data(), image.size())));
+}
+
+}  // namespace
+}  // namespace ferry
+
+namespace ferry {
+namespace {
+
+// Both processes with 2 MiB of staging (two 1 MiB slots): a transfer of many
+// times that must flow through the pool, not wait for it to hold everything.
+// Before the I/O threads stopped blocking on slots, a GPU->GPU READ of more
+// frames than slots stalled the target's I/O thread (30 s, then Busy).
+class TcpGpuSmallStaging : public TcpGpuMemory {
+ protected:
+  void SetUp() override {
+    // Inherited by the target process. Small socket buffers: a response's
+    // send does not finish in one sendmsg, the I/O thread must go on with it.
+    setenv("FERRY_TCP_GPU_STAGING_BYTES", "2MiB", 1);
+    setenv("FERRY_TCP_SNDBUF", "64KiB", 1);
+    setenv("FERRY_TCP_RCVBUF", "64KiB", 1);
+    TcpGpuMemory::SetUp();
+  }
+  void TearDown() override {
+    TcpGpuMemory::TearDown();
+    unsetenv("FERRY_TCP_GPU_STAGING_BYTES");
+    unsetenv("FERRY_TCP_SNDBUF");
+    unsetenv("FERRY_TCP_RCVBUF");
+  }
+};
+
+TEST_F(TcpGpuSmallStaging, TransfersManyTimesTheStagingPool) {
+  uint64_t seed = 500;
+  for (bool write : {false, true}) {
+    for (int kinds = 1; kinds < 4; ++kinds) {  // host->gpu, gpu->host, gpu->gpu
+      const auto start = std::chrono::steady_clock::now();
+      run({(kinds & 1) != 0, (kinds & 2) != 0, write, 1u << 20, 40}, ++seed);
+      if (HasFatalFailure()) return;
+      run({(kinds & 1) != 0, (kinds & 2) != 0, write, 4096, 4096}, ++seed);
+      if (HasFatalFailure()) return;
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_LT(s, 10.0) << "56 MiB through two staging slots took " << s << " s";
+    }
+  }
+}
+
+TEST_F(TcpGpuSmallStaging, ReadsInFlightTogetherShareTwoSlots) {
+  // Four async GPU->GPU reads of 8 MiB each at once: 32 frames for 2 slots.
+  ASSERT_EQ(target_.ask("fill 21"), "ok");
+  std::vector<uint8_t> image(kRemoteSize);
+  gputest::fill(image.data(), image.size(), 21);
+  ASSERT_EQ(cudaMemset(local_gpu_, 0xAB, 32u << 20), cudaSuccess);
+  std::vector<LocalIov> l(4);
+  std::vector<RemoteIov> r(4);
+  std::vector<TransferId> ids;
+  for (size_t i = 0; i < 4; ++i) {
+    l[i] = {static_cast<uint8_t*>(local_gpu_) + i * (8u << 20), 8u << 20};
+    r[i] = {&remote_gpu_, (3 - i) * (8u << 20), 8u << 20};
+    auto id = engine_->read_async(peer_, std::span(&l[i], 1), std::span(&r[i], 1));
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    ids.push_back(*id);
+  }
+  for (auto id : ids) {
+    Status s = engine_->wait(id, std::chrono::seconds(20));
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+  std::vector<uint8_t> got(32u << 20);
+  ASSERT_EQ(cudaMemcpy(got.data(), local_gpu_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t i = 0; i < 4; ++i) {
+    ASSERT_EQ(
+        0, std::memcmp(got.data() + i * (8u << 20), image.data() + (3 - i) * (8u << 20), 8u << 20))
+        << "read " << i << " differs";
+  }
 }
 
 }  // namespace

@@ -82,6 +82,7 @@ GpuPath::~GpuPath() {
   }
   callback_cv_.notify_all();
   for (auto& t : callback_threads_) t.join();
+  pool_->drop_waiters();
   if (tracing_ && !trace_.empty()) {
     const char* names[4] = {"queued for submit", "in submit", "submit end to seen done",
                             "in callback"};
@@ -110,8 +111,15 @@ void GpuPath::trace(const Waiting& w, Clock::time_point seen, Clock::time_point 
                     us(seen - w.submit_end), us(returned - seen)});
 }
 
-Result<std::unique_ptr<StagingSlot>> GpuPath::acquire_slot() {
-  return pool_->acquire(std::chrono::seconds(30));
+std::unique_ptr<StagingSlot> GpuPath::slot_or_later(
+    std::function<void(std::unique_ptr<StagingSlot>)> later) {
+  // The releaser may hold its own locks (a stream's tx_mu, a transfer's
+  // io_mu): the waiter only posts the slot on to the job thread.
+  auto take = std::make_shared<std::function<void(std::unique_ptr<StagingSlot>)>>(std::move(later));
+  return pool_->acquire_or_queue([this, take](std::unique_ptr<StagingSlot> slot) {
+    auto held = std::make_shared<std::unique_ptr<StagingSlot>>(std::move(slot));
+    run([take, held] { (*take)(std::move(*held)); });
+  });
 }
 
 Result<CopyStream*> GpuPath::stream(int device) {

@@ -51,15 +51,20 @@ class GpuPath {
                                                  const std::string& thread_prefix);
   ~GpuPath();
 
-  Result<std::unique_ptr<StagingSlot>> acquire_slot();
+  // A staging slot at once, or null: then `later` gets the next released
+  // slot on the job thread (waiters are served in request order). Nothing
+  // here blocks, so I/O threads may ask: a transfer larger than the staging
+  // pool flows through it instead of stalling the thread that would send
+  // the frames which free the slots.
+  std::unique_ptr<StagingSlot> slot_or_later(
+      std::function<void(std::unique_ptr<StagingSlot>)> later);
   // Queues the copies and calls `done` from a completion thread once all of
   // them finished (or with the first error). Returns at once: the submit
   // thread enqueues them on the device's stream, in call order, so the I/O
   // threads never make CUDA calls (a submission takes ~10-40 us of them).
   // The copies' memory must stay valid until `done`.
   void copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done);
-  // Runs `job` on the staging thread, in submission order (jobs may block
-  // waiting for a slot; the posting thread does not).
+  // Runs `job` on the job thread, in submission order.
   void run(std::function<void()> job);
 
  private:

@@ -182,41 +182,29 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
   return enqueue(*group, std::move(frames));
 }
 
-// Frames whose payload is (partly) local GPU memory: the staging thread
-// copies each into a slot, in order, and the completion of each copy puts the
-// frame on its stream. Copies of later frames overlap sending earlier ones.
+// Frames whose payload is (partly) local GPU memory: each is copied into a
+// staging slot as soon as one is free (at once, or on the GPU path's job
+// thread when a slot is released), and the completion of its copy puts the
+// frame on its stream. Copies of later frames overlap sending earlier ones;
+// a write larger than the staging pool flows through it.
 void TcpTransport::post_staged(
     Group& group, const std::shared_ptr<Transfer>& transfer,
     std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> frames) {
-  struct Item {
-    std::shared_ptr<Stream> stream;
-    std::unique_ptr<TxFrame> frame;
-    std::vector<Piece> pieces;
-  };
-  auto items = std::make_shared<std::vector<Item>>();
   const size_t n = group.streams.size();
   const uint32_t first = group.next_stream.fetch_add(static_cast<uint32_t>(frames.size()));
-  for (size_t k = 0; k < frames.size(); ++k) {
-    items->push_back(
-        {group.streams[(first + k) % n], std::move(frames[k].first), std::move(frames[k].second)});
-  }
   GpuPath* path = gpu_.get();
-  path->run([this, path, transfer, items] {
-    for (Item& item : *items) {
+  for (size_t k = 0; k < frames.size(); ++k) {
+    auto stream = group.streams[(first + k) % n];
+    auto frame = std::make_shared<std::unique_ptr<TxFrame>>(std::move(frames[k].first));
+    auto pieces = std::make_shared<std::vector<Piece>>(std::move(frames[k].second));
+    auto stage = [this, path, transfer, stream, frame, pieces](std::unique_ptr<StagingSlot> slot) {
       {
         std::lock_guard lock(transfer->io_mu);
         if (transfer->cancelled) return;
       }
-      auto slot = path->acquire_slot();
-      if (!slot.ok()) {
-        fail_transfer(*transfer, slot.status());
-        return;
-      }
-      auto copies = stage_pieces(item.frame->cursor, item.pieces, (*slot)->data(), true);
-      item.frame->slot = std::move(slot.value());
+      auto copies = stage_pieces((*frame)->cursor, *pieces, slot->data(), true);
+      (*frame)->slot = std::move(slot);
       transfer->tx_begin();  // the copy reads the caller's GPU memory
-      auto frame = std::make_shared<std::unique_ptr<TxFrame>>(std::move(item.frame));
-      auto stream = item.stream;
       path->copy_then(std::move(copies), [this, transfer, stream, frame](Status st) {
         transfer->tx_end();
         if (!st.ok()) {
@@ -227,8 +215,9 @@ void TcpTransport::post_staged(
                                                           hex_id(transfer->peer()))));
         }
       });
-    }
-  });
+    };
+    if (auto slot = path->slot_or_later(stage)) stage(std::move(slot));
+  }
 }
 
 Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
@@ -538,6 +527,17 @@ Region* first_revoked(const std::vector<RegionPin>& pins) {
 void TcpTransport::release_revoked(Stream& s) {
   // A WRITE arriving into a revoked region: the rest of its payload is read
   // and dropped, and the initiator learns that only a prefix was placed.
+  if (s.rx == Stream::Rx::kWaitSlot && !s.reading && s.write_verdict.ok()) {
+    // A WRITE waiting for a staging slot: nothing is placed yet; refuse it
+    // now, drain its payload once it is read.
+    if (Region* r = first_revoked(s.pins)) {
+      s.write_verdict = err::NotFound(fmt::format(
+          "region {} was deregistered while write {} was arriving: 0 of this frame's {} bytes "
+          "were placed, the rest was discarded",
+          r->info.id, s.hdr.transfer_id, s.hdr.payload_bytes));
+      s.pins.clear();
+    }
+  }
   if (s.rx == Stream::Rx::kPayload && !s.reading) {
     if (Region* r = first_revoked(s.pins)) {
       const uint64_t left = s.payload.remaining();
@@ -640,6 +640,8 @@ void TcpTransport::receive_pass(Stream& s) {
       case Stream::Rx::kPayload:
         more = rx_payload(s);
         break;
+      case Stream::Rx::kWaitSlot:
+        return;
     }
     if (s.dead || !more) return;
     if (s.rx == Stream::Rx::kHeader && s.head_got == 0 && ++frames >= kFramesPerWakeup) return;
@@ -802,12 +804,15 @@ Status TcpTransport::begin_write(Stream& s) {
                                             total, kGpuFramePayload));
     }
     auto path = gpu();
-    auto slot =
-        path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
-    if (!slot.ok()) {
-      s.write_verdict = slot.status();
+    if (!path.ok()) {
+      s.write_verdict = path.status();
     } else {
-      s.slot = std::move(slot.value());
+      s.slot = (*path)->slot_or_later(resume_with_slot(s));
+      if (!s.slot) {  // no slot free: stop reading this stream until one is
+        s.wait_pieces = std::move(pieces);
+        wait_for_slot(s);
+        return Status::Ok();
+      }
     }
   }
   if (!s.write_verdict.ok()) {
@@ -867,21 +872,35 @@ Status TcpTransport::serve_read(Stream& s) {
     return Status::Ok();
   }
   auto path = gpu();
-  auto slot =
-      path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
-  if (!slot.ok()) {
-    send_response(s, Op::kReadResponse, id, slot.status());
+  if (!path.ok()) {
+    send_response(s, Op::kReadResponse, id, path.status());
     return Status::Ok();
   }
-  auto copies = stage_pieces(f->cursor, pieces, (*slot)->data(), true);
-  f->slot = std::move(slot.value());
+  // The response keeps its place in the answer order from now on; its copy
+  // starts when a staging slot is free (later ones wait in request order).
   auto d = defer(s);
   auto self = s.shared_from_this();
   auto frame = std::make_shared<std::unique_ptr<TxFrame>>(std::move(f));
-  (*path)->copy_then(std::move(copies), [this, self, d, frame, id](Status st) {
-    complete_deferred(*self, d,
-                      st.ok() ? std::move(*frame) : make_response(Op::kReadResponse, id, st));
-  });
+  auto shared_pieces = std::make_shared<std::vector<Piece>>(std::move(pieces));
+  GpuPath* gp = *path;
+  auto stage = [this, gp, self, d, frame, shared_pieces, id](std::unique_ptr<StagingSlot> slot) {
+    if (Region* r = first_revoked((*frame)->pins)) {  // deregistered while it waited
+      complete_deferred(*self, d,
+                        make_response(Op::kReadResponse, id,
+                                      err::NotFound(fmt::format(
+                                          "region {} was deregistered before the {} "
+                                          "bytes of read {} were sent",
+                                          r->info.id, (*frame)->header.payload_bytes, id))));
+      return;
+    }
+    auto copies = stage_pieces((*frame)->cursor, *shared_pieces, slot->data(), true);
+    (*frame)->slot = std::move(slot);
+    gp->copy_then(std::move(copies), [this, self, d, frame, id](Status st) {
+      complete_deferred(*self, d,
+                        st.ok() ? std::move(*frame) : make_response(Op::kReadResponse, id, st));
+    });
+  };
+  if (auto slot = gp->slot_or_later(stage)) stage(std::move(slot));
   return Status::Ok();
 }
 
@@ -906,19 +925,71 @@ Status TcpTransport::begin_read_response(Stream& s) {
   if (!p->gpu_pieces.empty()) {
     // Into GPU memory: receive into a staging slot, copy to the device after.
     auto path = gpu();
-    auto slot =
-        path.ok() ? (*path)->acquire_slot() : Result<std::unique_ptr<StagingSlot>>(path.status());
-    if (!slot.ok()) {
-      p->transfer->note_error(slot.status());
+    if (!path.ok()) {
+      p->transfer->note_error(path.status());
       s.discard_left = p->payload_bytes;
-    } else {
-      p->slot = std::move(slot.value());
+    } else if (auto slot = (*path)->slot_or_later(resume_with_slot(s))) {
+      p->slot = std::move(slot);
       p->h2d = stage_pieces(p->read_into, p->gpu_pieces, p->slot->data(), false);
+    } else {  // no slot free: stop reading this stream until one is
+      s.reading = std::move(p);
+      wait_for_slot(s);
+      return Status::Ok();
     }
   }
   s.reading = std::move(p);
   s.rx = Stream::Rx::kPayload;
   return Status::Ok();
+}
+
+// A frame's payload must land in a staging slot and none is free: the
+// stream stops reading (the bytes wait in the socket, and TCP flow control
+// holds the peer back) but goes on sending; the I/O thread serves its other
+// streams meanwhile. The slot arrives through the worker (resume_receive).
+void TcpTransport::wait_for_slot(Stream& s) {
+  s.rx = Stream::Rx::kWaitSlot;
+  std::lock_guard lock(s.tx_mu);
+  s.worker->pause_reading(s, true);
+}
+
+std::function<void(std::unique_ptr<StagingSlot>)> TcpTransport::resume_with_slot(Stream& s) {
+  std::weak_ptr<Stream> weak = s.shared_from_this();
+  return [weak](std::unique_ptr<StagingSlot> slot) {
+    auto stream = weak.lock();
+    if (!stream) return;
+    std::lock_guard g(stream->def_mu);  // fail_stream waits on def_mu: the worker is alive
+    if (!stream->dead) stream->worker->request_resume(stream, std::move(slot));
+  };
+}
+
+void TcpTransport::on_broken_while_waiting(Stream& s) {
+  fail_stream(
+      s, err::PeerDisconnected("connection failed while a frame waited for a GPU staging slot"));
+  close_stream(s);
+}
+
+void TcpTransport::resume_receive(Stream& s, std::unique_ptr<StagingSlot> slot) {
+  if (s.dead || s.rx != Stream::Rx::kWaitSlot) return;  // the slot goes back
+  if (s.reading) {
+    Pending& p = *s.reading;
+    p.slot = std::move(slot);
+    p.h2d = stage_pieces(p.read_into, p.gpu_pieces, p.slot->data(), false);
+  } else if (!s.write_verdict.ok()) {
+    // Refused while it waited (its region was deregistered): drain it.
+    s.pins.clear();
+    s.discard_left = s.hdr.payload_bytes;
+  } else {
+    s.slot = std::move(slot);
+    s.payload.reserve(s.wait_pieces.size());
+    s.h2d = stage_pieces(s.payload, s.wait_pieces, s.slot->data(), false);
+  }
+  s.wait_pieces.clear();
+  s.rx = Stream::Rx::kPayload;
+  {
+    std::lock_guard lock(s.tx_mu);
+    s.worker->pause_reading(s, false);
+  }
+  on_readable(s);
 }
 
 bool TcpTransport::rx_payload(Stream& s) {

@@ -97,6 +97,7 @@ void Worker::stop() {
   std::lock_guard lock(mu_);
   streams_.clear();
   flush_requests_.clear();
+  resume_requests_.clear();
 }
 
 void Worker::adopt(const std::shared_ptr<Stream>& stream) {
@@ -129,6 +130,15 @@ void Worker::request_flush(std::shared_ptr<Stream> stream) {
   [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
 }
 
+void Worker::request_resume(std::shared_ptr<Stream> stream, std::unique_ptr<StagingSlot> slot) {
+  {
+    std::lock_guard lock(mu_);
+    resume_requests_.emplace_back(std::move(stream), std::move(slot));
+  }
+  uint64_t one = 1;
+  [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
+}
+
 void Worker::request_release() {
   release_requested_.store(true);
   uint64_t one = 1;
@@ -146,8 +156,19 @@ void Worker::watch_listener(int fd) {
 void Worker::want_writable(Stream& s, bool on) {
   if (s.want_out == on || s.closed) return;
   s.want_out = on;
+  watch_events(s);
+}
+
+void Worker::pause_reading(Stream& s, bool paused) {
+  if (s.rx_paused == paused || s.closed) return;
+  s.rx_paused = paused;
+  watch_events(s);
+}
+
+void Worker::watch_events(Stream& s) {
   epoll_event ev{};
-  ev.events = EPOLLIN | (on ? static_cast<uint32_t>(EPOLLOUT) : 0u);
+  ev.events = (s.rx_paused ? 0u : static_cast<uint32_t>(EPOLLIN)) |
+              (s.want_out ? static_cast<uint32_t>(EPOLLOUT) : 0u);
   ev.data.ptr = static_cast<EpollTag*>(&s);
   epoll_ctl(epfd_, EPOLL_CTL_MOD, s.fd, &ev);
 }
@@ -177,15 +198,25 @@ void Worker::run() {
       auto* s = static_cast<Stream*>(tag);
       if (s->closed) continue;
       if (events[i].events & EPOLLOUT) transport_.on_writable(*s);
+      if (s->rx == Stream::Rx::kWaitSlot) {
+        // Reading is paused; a broken connection must not wait for a slot.
+        if (events[i].events & (EPOLLERR | EPOLLHUP)) transport_.on_broken_while_waiting(*s);
+        continue;
+      }
       if (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) transport_.on_readable(*s);
     }
     std::vector<std::shared_ptr<Stream>> to_flush;
+    std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<StagingSlot>>> to_resume;
     {
       std::lock_guard lock(mu_);
       to_flush.swap(flush_requests_);
+      to_resume.swap(resume_requests_);
     }
     for (auto& s : to_flush) {
       if (!s->closed) transport_.on_writable(*s);
+    }
+    for (auto& [s, slot] : to_resume) {
+      if (!s->closed) transport_.resume_receive(*s, std::move(slot));
     }
     if (release_requested_.load(std::memory_order_relaxed) && release_requested_.exchange(false)) {
       std::vector<std::shared_ptr<Stream>> all;

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -115,13 +116,16 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   std::mutex def_mu;
   std::deque<std::shared_ptr<Deferred>> deferred;
   bool want_out = false;
+  bool rx_paused = false;              // EPOLLIN off while a payload waits for a staging slot
   bool cork_pending = false;           // responses queued during a receive pass
   std::atomic<bool> rx_corked{false};  // the worker is in a receive pass
   std::atomic<bool> dead{false};       // set under tx_mu; the worker reads it unlocked
   bool closed = false;
 
   // --- receiving side: owning worker only ---
-  enum class Rx { kHello, kHeader, kAux, kPayload } rx = Rx::kHeader;
+  // kWaitSlot: a payload bound for GPU memory waits for a staging slot;
+  // reading is paused (rx_paused) until the worker hands one over.
+  enum class Rx { kHello, kHeader, kAux, kPayload, kWaitSlot } rx = Rx::kHeader;
   uint8_t head[sizeof(FrameHeader)];
   size_t head_got = 0;
   FrameHeader hdr{};
@@ -134,6 +138,7 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   std::shared_ptr<Pending> reading;   // READ_RESPONSE being received
   std::unique_ptr<StagingSlot> slot;  // WRITE into GPU memory: payload lands here
   std::vector<DeviceCopy> h2d;        // ... and is copied to the device after
+  std::vector<Piece> wait_pieces;     // a WRITE's pieces while it waits for a slot
 };
 
 struct Group {
@@ -163,12 +168,20 @@ class Worker {
   void request_release();
   // Called with s.tx_mu held: tracks EPOLLOUT interest.
   void want_writable(Stream& s, bool on);
+  // Called with s.tx_mu held: EPOLLIN interest off while the stream waits
+  // for a staging slot (errors and hang-ups are still reported).
+  void pause_reading(Stream& s, bool paused);
+  // Hands a staging slot to a stream waiting for one; any thread. The loop
+  // resumes the stream's receive (TcpTransport::resume_receive).
+  void request_resume(std::shared_ptr<Stream> stream, std::unique_ptr<StagingSlot> slot);
   int index() const { return index_; }
   uint8_t* discard_buffer() { return discard_.data(); }
   size_t discard_size() const { return discard_.size(); }
 
  private:
   void run();
+  // Sets the stream's epoll interest from want_out and rx_paused; tx_mu held.
+  void watch_events(Stream& s);
   // Closes accepted streams whose Hello did not arrive in time and recounts
   // those still handshaking.
   void expire_handshakes();
@@ -186,8 +199,9 @@ class Worker {
   std::unordered_map<Stream*, std::shared_ptr<Stream>> streams_;
   std::atomic<uint32_t> handshaking_{0};
   std::atomic<bool> release_requested_{false};
-  std::vector<std::shared_ptr<Stream>>
-      flush_requests_;  // guarded by mu_  // accepted streams adopted in kHello
+  std::vector<std::shared_ptr<Stream>> flush_requests_;  // guarded by mu_
+  std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<StagingSlot>>>
+      resume_requests_;  // guarded by mu_
   std::vector<uint8_t> discard_;
 };
 
@@ -230,8 +244,17 @@ class TcpTransport final : public Transport {
   // into one is discarded, the unsent rest of a frame sent from one is copied
   // out. Owning worker only.
   void release_revoked(Stream& s);
+  // Gives a stream waiting for a staging slot its slot and goes on reading.
+  // Owning worker only.
+  void resume_receive(Stream& s, std::unique_ptr<StagingSlot> slot);
+  // The connection failed (EPOLLERR/EPOLLHUP) while the stream waited for a
+  // staging slot. Owning worker only.
+  void on_broken_while_waiting(Stream& s);
 
  private:
+  void wait_for_slot(Stream& s);
+  // The waiter that passes a released slot to `s`'s worker.
+  std::function<void(std::unique_ptr<StagingSlot>)> resume_with_slot(Stream& s);
   Result<std::shared_ptr<Group>> open_group(const SocketAddress& address, PeerId expected_peer);
   std::shared_ptr<Group> primary(PeerId peer) const;
   Status enqueue(Group& group, std::vector<std::unique_ptr<TxFrame>> frames);
