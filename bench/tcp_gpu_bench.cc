@@ -12,9 +12,14 @@
 // only, the bytes are not checked).
 // --host-alloc pinned puts the host reference in cudaHostAlloc memory, as the
 // GPU path's staging is (to tell the kind of memory from the copies' cost).
+// --two-process puts the target in a second process (ferry_tcp_gpu_peer,
+// $FERRY_TCP_GPU_PEER or beside this program), each side with its own CUDA
+// context, as between a prefill and a decode server.
 // --cpu prints, per row, the CPU time of each kind of thread (by thread name,
 // both engines together) as a share of one core over the measured calls.
 #include <cuda_runtime_api.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,6 +37,9 @@
 
 #include "ferry/engine.h"
 #include "ferry/gpu.h"
+#include "tcp_gpu_common.h"
+
+extern char** environ;
 
 using namespace ferry;
 using Clock = std::chrono::steady_clock;
@@ -67,6 +75,64 @@ std::map<std::string, double> cpu_by_thread_name() {
   }
   return out;
 }
+
+// ferry_tcp_gpu_peer: $FERRY_TCP_GPU_PEER, else beside this program.
+std::string peer_program(const char* self) {
+  if (const char* e = std::getenv("FERRY_TCP_GPU_PEER"); e != nullptr && *e != 0) return e;
+  std::string dir(self);
+  dir.resize(dir.rfind('/') + 1);
+  return dir + "ferry_tcp_gpu_peer";
+}
+
+// The target process: prints "ready META GPU_DESC HOST_DESC", exits on "exit".
+class TargetProcess {
+ public:
+  bool start(const std::string& program, size_t bytes, std::string* error) {
+    int in[2], out[2];
+    if (pipe(in) != 0 || pipe(out) != 0) return false;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    posix_spawn_file_actions_addclose(&fa, in[1]);
+    posix_spawn_file_actions_addclose(&fa, out[0]);
+    const std::string size = std::to_string(bytes);
+    char* args[] = {const_cast<char*>(program.c_str()), const_cast<char*>(size.c_str()), nullptr};
+    const int rc = posix_spawn(&pid_, program.c_str(), &fa, nullptr, args, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(in[0]);
+    close(out[1]);
+    if (rc != 0) {
+      *error = "posix_spawn " + program + ": " + std::strerror(rc);
+      return false;
+    }
+    to_ = fdopen(in[1], "w");
+    from_ = fdopen(out[0], "r");
+    char line[8192];
+    if (!std::fgets(line, sizeof line, from_) || std::strncmp(line, "ready ", 6) != 0) {
+      *error = std::string("target said: ") + line;
+      return false;
+    }
+    std::istringstream words(line);
+    for (std::string w; words >> w;) fields_.push_back(w);
+    return fields_.size() == 4;
+  }
+  const std::string& field(size_t i) const { return fields_.at(i); }
+  ~TargetProcess() {
+    if (to_) {
+      std::fputs("exit\n", to_);
+      std::fclose(to_);
+    }
+    if (from_) std::fclose(from_);
+    if (pid_ > 0) waitpid(pid_, nullptr, 0);
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* to_ = nullptr;
+  FILE* from_ = nullptr;
+  std::vector<std::string> fields_;
+};
 
 // Call k uses slice k % slices of each buffer (--rotate): with one slice every
 // call reuses the same, cache-warm bytes.
@@ -141,15 +207,16 @@ int main(int argc, char** argv) {
   size_t batch = 16;
   int iters = 40, reps = 5, depth = 1, slices = 1;
   std::string host_alloc = "vector";
-  bool mix = false, read_only = false, cpu = false;
+  bool mix = false, read_only = false, cpu = false, two_process = false;
   for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--two-process") two_process = true;
     if (std::string(argv[i]) == "--mix") mix = true;
     if (std::string(argv[i]) == "--read-only") read_only = true;
     if (std::string(argv[i]) == "--cpu") cpu = true;
   }
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
-    if (a == "--mix" || a == "--read-only" || a == "--cpu") {
+    if (a == "--mix" || a == "--read-only" || a == "--cpu" || a == "--two-process") {
       --i;
       continue;
     }
@@ -197,17 +264,36 @@ int main(int argc, char** argv) {
   cudaMemset(gpu_a, 1, bytes);
   a->register_memory(host_a.data(), bytes).value();
   a->register_memory(gpu_a, bytes).value();
-  auto rhb = b->register_memory(host_b.data(), bytes).value();
-  auto rgb = b->register_memory(gpu_b, bytes).value();
-  const PeerId peer = a->connect(b->metadata()).value();
-  const Side host{host_a.data(), b->advertise(rhb.id).value()};
-  const Side gpu{static_cast<uint8_t*>(gpu_a), b->advertise(rgb.id).value()};
-  const Side gpu_to_host{static_cast<uint8_t*>(gpu_a), b->advertise(rhb.id).value()};
-  const Side host_to_gpu{host_a.data(), b->advertise(rgb.id).value()};
+  // The target: engine b here, or (--two-process) a ferry_tcp_gpu_peer
+  // process with its own CUDA context, as a prefill and a decode server are.
+  PeerId peer = 0;
+  RemoteDescriptor remote_host, remote_gpu;
+  TargetProcess target;
+  if (two_process) {
+    std::string error;
+    if (!target.start(peer_program(argv[0]), bytes, &error)) {
+      std::printf("cannot start the target process: %s\n", error.c_str());
+      return 1;
+    }
+    peer = a->connect(gputest::unhex(target.field(1))).value();
+    remote_gpu = RemoteDescriptor::from_bytes(gputest::unhex(target.field(2))).value();
+    remote_host = RemoteDescriptor::from_bytes(gputest::unhex(target.field(3))).value();
+  } else {
+    auto rhb = b->register_memory(host_b.data(), bytes).value();
+    auto rgb = b->register_memory(gpu_b, bytes).value();
+    peer = a->connect(b->metadata()).value();
+    remote_host = b->advertise(rhb.id).value();
+    remote_gpu = b->advertise(rgb.id).value();
+  }
+  const Side host{host_a.data(), remote_host};
+  const Side gpu{static_cast<uint8_t*>(gpu_a), remote_gpu};
+  const Side gpu_to_host{static_cast<uint8_t*>(gpu_a), remote_host};
+  const Side host_to_gpu{host_a.data(), remote_gpu};
   std::printf(
       "tcp loopback, %llu B x %zu iovs per call, median of %d runs of %d calls, %d buffer "
-      "slice(s) in turn\n",
-      static_cast<unsigned long long>(block), batch, reps, iters, slices);
+      "slice(s) in turn, %s\n",
+      static_cast<unsigned long long>(block), batch, reps, iters, slices,
+      two_process ? "target in a second process" : "both engines in this process");
   std::printf("%-8s %-12s %-12s %-8s\n", "op", "host GB/s", "GPU GB/s", "GPU/host");
   struct Variant {
     const char* name;
