@@ -920,6 +920,7 @@ int run_initiator(const Opts& o) {
   for (const auto& opt : engine->options())
     if (opt.name == "tcp.streams") streams_effective = opt.value;
   if (streams_effective.empty() && o.streams > 0) streams_effective = std::to_string(o.streams);
+  if (streams_effective == "0") streams_effective = "auto";
 
   auto peer_id = engine->connect(peer.metadata);
   if (!peer_id.ok()) die(1, "connect to target: " + status_str(peer_id.status()));

@@ -16,8 +16,10 @@
 namespace ferry::tcp {
 
 const OptionSpec kTcpOptionSpecs[] = {
-    {"tcp.streams", OptionType::kUint, "2",
-     "TCP connections (streams) per peer; frames are striped over them", 1, 64},
+    {"tcp.streams", OptionType::kUint, "0",
+     "TCP connections (streams) per peer; frames are striped over them (0: one per I/O "
+     "thread, at least 2)",
+     0, 64},
     {"tcp.io_threads", OptionType::kUint, "0",
      "I/O threads (epoll loops) of the tcp transport (0: one per 4 CPUs this process may use, "
      "1 to 4)",
@@ -283,6 +285,11 @@ Status TcpTransport::start(const TransportContext& context) {
   opt_.streams = static_cast<uint32_t>(o.get_uint("tcp.streams"));
   opt_.io_threads = static_cast<uint32_t>(o.get_uint("tcp.io_threads"));
   if (opt_.io_threads == 0) opt_.io_threads = default_io_threads();
+  // A stream's sends and receives are serial (one copy in the kernel at a
+  // time), so a peer gets a stream per I/O thread: on a 16-core H100 host, 4
+  // streams instead of 2 doubled 1 MiB reads (8.0 -> 14.6-15.9 GB/s host,
+  // 6.5 -> 11-12 GB/s GPU memory).
+  if (opt_.streams == 0) opt_.streams = std::max<uint32_t>(2, opt_.io_threads);
   opt_.chunk_bytes = o.get_uint("tcp.chunk_bytes");
   opt_.max_segments = static_cast<uint32_t>(o.get_uint("tcp.max_segments"));
   opt_.connect_timeout = std::chrono::milliseconds(o.get_uint("tcp.connect_timeout_ms"));
