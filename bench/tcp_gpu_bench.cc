@@ -18,8 +18,6 @@
 // --cpu prints, per row, the CPU time of each kind of thread (by thread name,
 // both engines together) as a share of one core over the measured calls.
 #include <cuda_runtime_api.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,9 +35,8 @@
 
 #include "ferry/engine.h"
 #include "ferry/gpu.h"
+#include "target_process.h"
 #include "tcp_gpu_common.h"
-
-extern char** environ;
 
 using namespace ferry;
 using Clock = std::chrono::steady_clock;
@@ -75,64 +72,6 @@ std::map<std::string, double> cpu_by_thread_name() {
   }
   return out;
 }
-
-// ferry_tcp_gpu_peer: $FERRY_TCP_GPU_PEER, else beside this program.
-std::string peer_program(const char* self) {
-  if (const char* e = std::getenv("FERRY_TCP_GPU_PEER"); e != nullptr && *e != 0) return e;
-  std::string dir(self);
-  dir.resize(dir.rfind('/') + 1);
-  return dir + "ferry_tcp_gpu_peer";
-}
-
-// The target process: prints "ready META GPU_DESC HOST_DESC", exits on "exit".
-class TargetProcess {
- public:
-  bool start(const std::string& program, size_t bytes, std::string* error) {
-    int in[2], out[2];
-    if (pipe(in) != 0 || pipe(out) != 0) return false;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    posix_spawn_file_actions_addclose(&fa, in[1]);
-    posix_spawn_file_actions_addclose(&fa, out[0]);
-    const std::string size = std::to_string(bytes);
-    char* args[] = {const_cast<char*>(program.c_str()), const_cast<char*>(size.c_str()), nullptr};
-    const int rc = posix_spawn(&pid_, program.c_str(), &fa, nullptr, args, environ);
-    posix_spawn_file_actions_destroy(&fa);
-    close(in[0]);
-    close(out[1]);
-    if (rc != 0) {
-      *error = "posix_spawn " + program + ": " + std::strerror(rc);
-      return false;
-    }
-    to_ = fdopen(in[1], "w");
-    from_ = fdopen(out[0], "r");
-    char line[8192];
-    if (!std::fgets(line, sizeof line, from_) || std::strncmp(line, "ready ", 6) != 0) {
-      *error = std::string("target said: ") + line;
-      return false;
-    }
-    std::istringstream words(line);
-    for (std::string w; words >> w;) fields_.push_back(w);
-    return fields_.size() == 4;
-  }
-  const std::string& field(size_t i) const { return fields_.at(i); }
-  ~TargetProcess() {
-    if (to_) {
-      std::fputs("exit\n", to_);
-      std::fclose(to_);
-    }
-    if (from_) std::fclose(from_);
-    if (pid_ > 0) waitpid(pid_, nullptr, 0);
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* to_ = nullptr;
-  FILE* from_ = nullptr;
-  std::vector<std::string> fields_;
-};
 
 // Call k uses slice k % slices of each buffer (--rotate): with one slice every
 // call reuses the same, cache-warm bytes.
@@ -268,16 +207,16 @@ int main(int argc, char** argv) {
   // process with its own CUDA context, as a prefill and a decode server are.
   PeerId peer = 0;
   RemoteDescriptor remote_host, remote_gpu;
-  TargetProcess target;
+  gputest::TargetProcess target;
   if (two_process) {
     std::string error;
-    if (!target.start(peer_program(argv[0]), bytes, &error)) {
+    if (!target.start(gputest::peer_program("ferry_tcp_gpu_peer"), bytes, &error)) {
       std::printf("cannot start the target process: %s\n", error.c_str());
       return 1;
     }
-    peer = a->connect(gputest::unhex(target.field(1))).value();
-    remote_gpu = RemoteDescriptor::from_bytes(gputest::unhex(target.field(2))).value();
-    remote_host = RemoteDescriptor::from_bytes(gputest::unhex(target.field(3))).value();
+    peer = a->connect(gputest::unhex(target.ready_fields().at(1))).value();
+    remote_gpu = RemoteDescriptor::from_bytes(gputest::unhex(target.ready_fields().at(2))).value();
+    remote_host = RemoteDescriptor::from_bytes(gputest::unhex(target.ready_fields().at(3))).value();
   } else {
     auto rhb = b->register_memory(host_b.data(), bytes).value();
     auto rgb = b->register_memory(gpu_b, bytes).value();

@@ -4,11 +4,7 @@
 // verified (the target's memory is checked by the target process itself).
 // Skips, with the reason, where no CUDA device answers.
 #include <cuda_runtime_api.h>
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -20,9 +16,8 @@
 
 #include "ferry/engine.h"
 #include "ferry/gpu.h"
+#include "target_process.h"
 #include "tcp_gpu_common.h"
-
-extern char** environ;
 
 namespace ferry {
 namespace {
@@ -30,94 +25,11 @@ namespace {
 constexpr size_t kRemoteSize = 48u << 20;
 constexpr size_t kLocalSize = 64u << 20;
 
-// The target program: $FERRY_TCP_GPU_PEER if set, else ferry_tcp_gpu_peer
-// beside this test's own executable (a copied test tree), else the path of
-// the build that compiled this test.
+// The target program: $FERRY_TCP_GPU_PEER, else beside this test's own
+// executable (a copied test tree), else the build that compiled this test.
 std::string peer_program() {
-  if (const char* e = std::getenv("FERRY_TCP_GPU_PEER"); e != nullptr && *e != 0) return e;
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (n > 0) {
-    std::string dir(self, static_cast<size_t>(n));
-    dir.resize(dir.rfind('/') + 1);
-    const std::string beside = dir + "ferry_tcp_gpu_peer";
-    if (access(beside.c_str(), X_OK) == 0) return beside;
-  }
-  return FERRY_TCP_GPU_PEER;
+  return gputest::peer_program(FERRY_TCP_GPU_PEER);
 }
-
-class TargetProcess {
- public:
-  bool start(std::string* error) {
-    int in[2], out[2];
-    if (pipe(in) != 0 || pipe(out) != 0) return false;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    posix_spawn_file_actions_addclose(&fa, in[1]);
-    posix_spawn_file_actions_addclose(&fa, out[0]);
-    const std::string size = std::to_string(kRemoteSize);
-    const std::string program = peer_program();
-    char* argv[] = {const_cast<char*>(program.c_str()), const_cast<char*>(size.c_str()), nullptr};
-    if (posix_spawn(&pid_, program.c_str(), &fa, nullptr, argv, environ) != 0) {
-      *error = "cannot start " + program;
-      return false;
-    }
-    posix_spawn_file_actions_destroy(&fa);
-    close(in[0]);
-    close(out[1]);
-    to_ = fdopen(in[1], "w");
-    from_ = fdopen(out[0], "r");
-    const std::string ready = line();
-    if (ready.rfind("ready ", 0) != 0) {
-      *error = "target process said: " + ready;
-      return false;
-    }
-    ready_ = ready;
-    return true;
-  }
-  ~TargetProcess() {
-    if (to_) {
-      std::fputs("exit\n", to_);
-      std::fclose(to_);
-    }
-    if (from_) std::fclose(from_);
-    if (pid_ > 0) {
-      int st;
-      waitpid(pid_, &st, 0);
-    }
-  }
-  std::string ask(const std::string& cmd) {
-    std::fputs((cmd + "\n").c_str(), to_);
-    std::fflush(to_);
-    return line();
-  }
-  std::vector<std::string> ready_fields() const {
-    std::vector<std::string> f;
-    size_t pos = 0;
-    while (pos < ready_.size()) {
-      size_t sp = ready_.find(' ', pos);
-      if (sp == std::string::npos) sp = ready_.size();
-      f.push_back(ready_.substr(pos, sp - pos));
-      pos = sp + 1;
-    }
-    return f;
-  }
-
- private:
-  std::string line() {
-    char buf[4096];
-    if (!std::fgets(buf, sizeof buf, from_)) return "<target process exited>";
-    std::string s(buf);
-    if (!s.empty() && s.back() == '\n') s.pop_back();
-    return s;
-  }
-  pid_t pid_ = -1;
-  FILE* to_ = nullptr;
-  FILE* from_ = nullptr;
-  std::string ready_;
-};
 
 struct Case {
   bool local_gpu, remote_gpu, write;
@@ -137,7 +49,7 @@ class TcpGpuMemory : public ::testing::Test {
     std::string reason;
     if (!cuda_available(&reason)) GTEST_SKIP() << "skipped: " << reason;
     std::string error;
-    ASSERT_TRUE(target_.start(&error)) << error;
+    ASSERT_TRUE(target_.start(peer_program(), kRemoteSize, &error)) << error;
     auto f = target_.ready_fields();
     ASSERT_EQ(f.size(), 4u);
     auto e = Engine::create();
@@ -234,7 +146,7 @@ class TcpGpuMemory : public ::testing::Test {
     }
   }
 
-  TargetProcess target_;
+  gputest::TargetProcess target_;
   std::unique_ptr<Engine> engine_;
   PeerId peer_ = 0;
   RemoteDescriptor remote_gpu_, remote_host_;
