@@ -20,23 +20,7 @@ int cuda_device_count() {
   return 0;
 }
 
-std::string_view cuda_memory_type_name(CudaMemoryType type) {
-  switch (type) {
-    case CudaMemoryType::kPageableHost:
-      return "pageable host";
-    case CudaMemoryType::kPinnedHost:
-      return "pinned host";
-    case CudaMemoryType::kDevice:
-      return "device";
-    case CudaMemoryType::kDevicePool:
-      return "device (stream-ordered pool)";
-    case CudaMemoryType::kDeviceVmm:
-      return "device (cuMem VMM)";
-    case CudaMemoryType::kManaged:
-      return "managed";
-  }
-  return "unknown";
-}
+#include "cuda/memory_type_names.inc"
 
 Result<CudaPointerInfo> cuda_pointer_info(const void*) {
   return err::NotSupported(kReason);

@@ -123,21 +123,32 @@ std::vector<DeviceCopy> stage_pieces(IovCursor& cursor, const std::vector<Piece>
 
 }  // namespace
 
-Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
-                                std::vector<Segment> segments) {
-  auto group = primary(peer);
-  if (!group || group->dead.load()) {
+Result<TcpTransport::PostPlan> TcpTransport::plan_post(PeerId peer,
+                                                       const std::vector<Segment>& segments) {
+  PostPlan plan;
+  plan.group = primary(peer);
+  if (!plan.group || plan.group->dead.load()) {
     return err::PeerDisconnected(fmt::format("no live tcp connection to peer {}", hex_id(peer)));
   }
-  const bool local_gpu = any_gpu(segments, true);
-  const bool gpu_involved = local_gpu || any_gpu(segments, false);
+  plan.local_gpu = any_gpu(segments, true);
+  const bool gpu_involved = plan.local_gpu || any_gpu(segments, false);
   if (gpu_involved) {
     if (auto g = gpu(); !g.ok()) return g.status();
   }
   // Frames touching GPU memory on either side fit one staging slot.
-  const uint64_t chunk = stripe_chunk(
+  plan.chunk = stripe_chunk(
       gpu_involved ? std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload) : opt_.chunk_bytes,
-      total_bytes(segments), group->streams.size());
+      total_bytes(segments), plan.group->streams.size());
+  return plan;
+}
+
+Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                                std::vector<Segment> segments) {
+  auto plan = plan_post(peer, segments);
+  if (!plan.ok()) return plan.status();
+  const std::shared_ptr<Group>& group = plan->group;
+  const bool local_gpu = plan->local_gpu;
+  const uint64_t chunk = plan->chunk;
   std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> built;
   std::unique_ptr<TxFrame> f;
   std::vector<Piece> pieces;
@@ -222,18 +233,11 @@ void TcpTransport::post_staged(
 
 Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
                                std::vector<Segment> segments) {
-  auto group = primary(peer);
-  if (!group || group->dead.load()) {
-    return err::PeerDisconnected(fmt::format("no live tcp connection to peer {}", hex_id(peer)));
-  }
-  const bool local_gpu = any_gpu(segments, true);
-  const bool gpu_involved = local_gpu || any_gpu(segments, false);
-  if (gpu_involved) {
-    if (auto g = gpu(); !g.ok()) return g.status();
-  }
-  const uint64_t chunk = stripe_chunk(
-      gpu_involved ? std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload) : opt_.chunk_bytes,
-      total_bytes(segments), group->streams.size());
+  auto plan = plan_post(peer, segments);
+  if (!plan.ok()) return plan.status();
+  const std::shared_ptr<Group>& group = plan->group;
+  const bool local_gpu = plan->local_gpu;
+  const uint64_t chunk = plan->chunk;
   std::vector<std::unique_ptr<TxFrame>> frames;
   std::unique_ptr<TxFrame> f;
   std::shared_ptr<Pending> p;

@@ -147,6 +147,10 @@ void Worker::request_release() {
   [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
 }
 
+void Worker::unwatch(int fd) {
+  epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+}
+
 void Worker::watch_listener(int fd) {
   listen_fd_ = fd;
   epoll_event ev{};
@@ -720,7 +724,12 @@ void TcpTransport::close_stream(Stream& s) {
   if (s.closed) return;
   s.closed = true;
   s.pins.clear();
-  ::close(s.fd);  // also leaves the worker's epoll set
+  // Leave the epoll set explicitly: close() alone does not while another
+  // reference to the socket lives on -- a child the application forks holds
+  // one until its exec -- and the worker would then get events for a Stream
+  // it has freed (seen under ASan in PeerFailure.InitiatorKilledLeavesTargetServing).
+  if (s.worker != nullptr) s.worker->unwatch(s.fd);
+  ::close(s.fd);
 }
 
 }  // namespace ferry::tcp

@@ -162,6 +162,8 @@ class Worker {
   void stop();
   void adopt(const std::shared_ptr<Stream>& stream);
   void watch_listener(int fd);
+  // Removes a stream's socket from the epoll set (before it is closed).
+  void unwatch(int fd);
   // Asks the loop to flush the stream (its tx_mu was busy); any thread.
   void request_flush(std::shared_ptr<Stream> stream);
   // Asks the loop to let go of revoked regions (TcpTransport::release_revoked).
@@ -257,6 +259,14 @@ class TcpTransport final : public Transport {
   std::function<void(std::unique_ptr<StagingSlot>)> resume_with_slot(Stream& s);
   Result<std::shared_ptr<Group>> open_group(const SocketAddress& address, PeerId expected_peer);
   std::shared_ptr<Group> primary(PeerId peer) const;
+  // What a WRITE or READ needs first: the peer's live group, whether the
+  // local memory is GPU memory, and the payload size of its frames.
+  struct PostPlan {
+    std::shared_ptr<Group> group;
+    bool local_gpu = false;
+    uint64_t chunk = 0;
+  };
+  Result<PostPlan> plan_post(PeerId peer, const std::vector<Segment>& segments);
   Status enqueue(Group& group, std::vector<std::unique_ptr<TxFrame>> frames);
   bool enqueue_on(Stream& s, std::unique_ptr<TxFrame> frame);
   // Sends queued frames until EAGAIN; tx_mu held. False: the stream failed.
