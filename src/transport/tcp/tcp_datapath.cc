@@ -144,11 +144,9 @@ Result<TcpTransport::PostPlan> TcpTransport::plan_post(PeerId peer,
 
 Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
                                 std::vector<Segment> segments) {
-  auto plan = plan_post(peer, segments);
-  if (!plan.ok()) return plan.status();
-  const std::shared_ptr<Group>& group = plan->group;
-  const bool local_gpu = plan->local_gpu;
-  const uint64_t chunk = plan->chunk;
+  auto planned = plan_post(peer, segments);
+  if (!planned.ok()) return planned.status();
+  const PostPlan& plan = *planned;
   std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> built;
   std::unique_ptr<TxFrame> f;
   std::vector<Piece> pieces;
@@ -160,7 +158,7 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
   };
   open();
   cut_frames(
-      segments, chunk, opt_.max_segments,
+      segments, plan.chunk, opt_.max_segments,
       [&](const Segment& seg, uint8_t* local, const WireSegment& w) {
         const auto* b = reinterpret_cast<const uint8_t*>(&w);
         f->aux.insert(f->aux.end(), b, b + sizeof w);
@@ -180,8 +178,8 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
         open();
       });
   transfer->outstanding.store(built.size());
-  if (local_gpu) {
-    post_staged(*group, transfer, std::move(built));
+  if (plan.local_gpu) {
+    post_staged(*plan.group, transfer, std::move(built));
     return Status::Ok();
   }
   std::vector<std::unique_ptr<TxFrame>> frames;
@@ -190,7 +188,7 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
     stage_pieces(frame->cursor, frame_pieces, nullptr, true);
     frames.push_back(std::move(frame));
   }
-  return enqueue(*group, std::move(frames));
+  return enqueue(*plan.group, std::move(frames));
 }
 
 // Frames whose payload is (partly) local GPU memory: each is copied into a
@@ -233,11 +231,9 @@ void TcpTransport::post_staged(
 
 Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
                                std::vector<Segment> segments) {
-  auto plan = plan_post(peer, segments);
-  if (!plan.ok()) return plan.status();
-  const std::shared_ptr<Group>& group = plan->group;
-  const bool local_gpu = plan->local_gpu;
-  const uint64_t chunk = plan->chunk;
+  auto planned = plan_post(peer, segments);
+  if (!planned.ok()) return planned.status();
+  const PostPlan& plan = *planned;
   std::vector<std::unique_ptr<TxFrame>> frames;
   std::unique_ptr<TxFrame> f;
   std::shared_ptr<Pending> p;
@@ -250,11 +246,11 @@ Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& tra
   };
   open();
   cut_frames(
-      segments, chunk, opt_.max_segments,
+      segments, plan.chunk, opt_.max_segments,
       [&](const Segment& seg, uint8_t* local, const WireSegment& w) {
         const auto* b = reinterpret_cast<const uint8_t*>(&w);
         f->aux.insert(f->aux.end(), b, b + sizeof w);
-        if (local_gpu) {
+        if (plan.local_gpu) {
           p->gpu_pieces.push_back({local, w.length, seg.local_device});
         } else {
           p->read_into.add(local, w.length);
@@ -271,7 +267,7 @@ Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& tra
         open();
       });
   transfer->outstanding.store(frames.size());
-  return enqueue(*group, std::move(frames));
+  return enqueue(*plan.group, std::move(frames));
 }
 
 Status TcpTransport::post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
