@@ -42,7 +42,6 @@ class StagingPool {
   StagingPool& operator=(const StagingPool&) = delete;
 
   size_t slot_bytes() const { return slot_bytes_; }
-  size_t slot_count() const { return slot_count_; }
 
   using Waiter = std::function<void(std::unique_ptr<StagingSlot>)>;
   // A free slot at once, or null after queuing `later`. Nobody ever waits
