@@ -2,8 +2,12 @@
 // alternating in one run (loopback, two engines in this process, real
 // sockets). Workload: --block bytes x --batch iovs per WRITE (and READ).
 // Prints one table row per (memory, op) and the ratio GPU / host.
-// --rotate N cycles each call through N slices of N-times larger buffers (a
-// working set beyond the CPU caches, as KV-cache traffic has). --read-only skips the writes. --mix
+// Each call uses the next slice of buffers N slices large, in turn (--rotate
+// N). By default N makes every buffer at least twice the CPU's last-level
+// cache, so that neither side measures the cache (KV-cache traffic has such
+// a working set; a reused 16 MiB host buffer would stay cache-resident while
+// GPU bytes always arrive through DMA). --rotate 1 reuses one slice: the
+// cache-resident reference. --read-only skips the writes. --mix
 // also measures one-sided staging (GPU memory on one side only: local GPU / remote host, local host
 // / remote GPU), each against host/host.
 // --depth N (N > 1) adds, beside each blocking row, a row with N async calls in
@@ -15,6 +19,8 @@
 // --two-process puts the target in a second process (ferry_tcp_gpu_peer,
 // $FERRY_TCP_GPU_PEER or beside this program), each side with its own CUDA
 // context, as between a prefill and a decode server.
+// --only host|gpu runs one of the pair alone (its partner reads 0), so that a
+// profiler attached to the process sees one kind of transfer.
 // --cpu prints, per row, the CPU time of each kind of thread (by thread name,
 // both engines together) as a share of one core over the measured calls.
 #include <cuda_runtime_api.h>
@@ -71,6 +77,21 @@ std::map<std::string, double> cpu_by_thread_name() {
     out[name + " sys"] += stime / tick;
   }
   return out;
+}
+
+// The largest CPU cache's size in bytes (sysfs, cpu0), 0 if unknown.
+size_t last_level_cache_bytes() {
+  size_t best = 0;
+  for (int index = 0; index < 8; ++index) {
+    std::ifstream in("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/size");
+    std::string text;
+    if (!(in >> text) || text.empty()) continue;
+    size_t value = std::strtoull(text.c_str(), nullptr, 10);
+    if (text.back() == 'K') value <<= 10;
+    if (text.back() == 'M') value <<= 20;
+    best = std::max(best, value);
+  }
+  return best;
 }
 
 // Call k uses slice k % slices of each buffer (--rotate): with one slice every
@@ -144,8 +165,9 @@ double run(Engine& e, PeerId peer, const Side& side, bool write, uint64_t block,
 int main(int argc, char** argv) {
   uint64_t block = 1 << 20;
   size_t batch = 16;
-  int iters = 40, reps = 5, depth = 1, slices = 1;
+  int iters = 40, reps = 5, depth = 1, slices = 0;  // 0: twice the last-level cache
   std::string host_alloc = "vector";
+  std::string only;  // --only host|gpu: measure one side alone (for a profiler)
   bool mix = false, read_only = false, cpu = false, two_process = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--two-process") two_process = true;
@@ -166,37 +188,50 @@ int main(int argc, char** argv) {
     if (a == "--depth") depth = std::max(1, std::stoi(argv[i + 1]));
     if (a == "--rotate") slices = std::max(1, std::stoi(argv[i + 1]));
     if (a == "--host-alloc") host_alloc = argv[i + 1];
+    if (a == "--only") only = argv[i + 1];
   }
   std::string reason;
   if (!cuda_available(&reason)) {
     std::printf("skipped: %s\n", reason.c_str());
     return 0;
   }
+  const size_t llc = last_level_cache_bytes();
+  if (slices == 0) {
+    const size_t call_bytes = block * batch;
+    slices = static_cast<int>(std::max<size_t>(1, (2 * llc + call_bytes - 1) / call_bytes));
+  }
   const size_t bytes = block * batch * slices;
   auto a = Engine::create().value();
-  auto b = Engine::create().value();
+  std::unique_ptr<Engine> b;  // the local target (not with --two-process)
   // --host-alloc pinned: the host reference in cudaHostAlloc memory (as the
   // GPU path's staging is), to tell the memory's kind from the copies' cost.
+  // The local target's buffer (host_b) only without --two-process.
   std::vector<uint8_t> vec_a, vec_b;
-  uint8_t *host_a_ptr = nullptr, *host_b_ptr = nullptr;
-  if (host_alloc == "pinned") {
-    cudaHostAlloc(reinterpret_cast<void**>(&host_a_ptr), bytes, cudaHostAllocPortable);
-    cudaHostAlloc(reinterpret_cast<void**>(&host_b_ptr), bytes, cudaHostAllocPortable);
-    std::memset(host_a_ptr, 1, bytes);
-    std::memset(host_b_ptr, 2, bytes);
-  } else {
-    vec_a.assign(bytes, 1);
-    vec_b.assign(bytes, 2);
-    host_a_ptr = vec_a.data();
-    host_b_ptr = vec_b.data();
-  }
+  auto host_buffer = [&](std::vector<uint8_t>& vec, uint8_t fill) -> uint8_t* {
+    uint8_t* p = nullptr;
+    if (host_alloc == "pinned") {
+      if (cudaHostAlloc(reinterpret_cast<void**>(&p), bytes, cudaHostAllocPortable) !=
+          cudaSuccess) {
+        std::printf("cudaHostAlloc of %zu bytes failed\n", bytes);
+        std::exit(1);
+      }
+    } else {
+      vec.resize(bytes);
+      p = vec.data();
+    }
+    std::memset(p, fill, bytes);
+    return p;
+  };
+  uint8_t* host_a_ptr = host_buffer(vec_a, 1);
+  uint8_t* host_b_ptr = two_process ? nullptr : host_buffer(vec_b, 2);
   struct HostView {
     uint8_t* p;
     uint8_t* data() const { return p; }
   } host_a{host_a_ptr}, host_b{host_b_ptr};
   void *gpu_a = nullptr, *gpu_b = nullptr;
   cudaSetDevice(0);
-  if (cudaMalloc(&gpu_a, bytes) != cudaSuccess || cudaMalloc(&gpu_b, bytes) != cudaSuccess) {
+  if (cudaMalloc(&gpu_a, bytes) != cudaSuccess ||
+      (!two_process && cudaMalloc(&gpu_b, bytes) != cudaSuccess)) {
     std::printf("cudaMalloc failed\n");
     return 1;
   }
@@ -218,6 +253,7 @@ int main(int argc, char** argv) {
     remote_gpu = RemoteDescriptor::from_bytes(gputest::unhex(target.ready_fields().at(2))).value();
     remote_host = RemoteDescriptor::from_bytes(gputest::unhex(target.ready_fields().at(3))).value();
   } else {
+    b = Engine::create().value();
     auto rhb = b->register_memory(host_b.data(), bytes).value();
     auto rgb = b->register_memory(gpu_b, bytes).value();
     peer = a->connect(b->metadata()).value();
@@ -230,8 +266,9 @@ int main(int argc, char** argv) {
   const Side host_to_gpu{host_a.data(), remote_gpu};
   std::printf(
       "tcp loopback, %llu B x %zu iovs per call, median of %d runs of %d calls, %d buffer "
-      "slice(s) in turn, %s\n",
+      "slice(s) in turn (%.0f MiB per buffer; last-level cache %.0f MiB), %s\n",
       static_cast<unsigned long long>(block), batch, reps, iters, slices,
+      static_cast<double>(bytes) / (1 << 20), static_cast<double>(llc) / (1 << 20),
       two_process ? "target in a second process" : "both engines in this process");
   std::printf("%-8s %-12s %-12s %-8s\n", "op", "host GB/s", "GPU GB/s", "GPU/host");
   struct Variant {
@@ -252,10 +289,12 @@ int main(int argc, char** argv) {
         std::vector<double> h, g;
         std::map<std::string, double> hcpu, gcpu;
         for (int rep = 0; rep < reps; ++rep) {  // alternate: same conditions for both
-          h.push_back(
-              run(*a, peer, host, write, block, batch, iters, d, slices, cpu ? &hcpu : nullptr));
-          g.push_back(
-              run(*a, peer, *v.side, write, block, batch, iters, d, slices, cpu ? &gcpu : nullptr));
+          h.push_back(only == "gpu" ? 0.0
+                                    : run(*a, peer, host, write, block, batch, iters, d, slices,
+                                          cpu ? &hcpu : nullptr));
+          g.push_back(only == "host" ? 0.0
+                                     : run(*a, peer, *v.side, write, block, batch, iters, d, slices,
+                                           cpu ? &gcpu : nullptr));
         }
         std::sort(h.begin(), h.end());
         std::sort(g.begin(), g.end());

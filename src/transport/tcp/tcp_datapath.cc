@@ -121,6 +121,20 @@ std::vector<DeviceCopy> stage_pieces(IovCursor& cursor, const std::vector<Piece>
   return copies;
 }
 
+// The WRITE now in `s` receives into its pieces: host pieces directly, GPU
+// pieces through s.slot (then host-to-device copies, s.h2d).
+void stage_write(Stream& s, const std::vector<Piece>& pieces) {
+  s.payload.reserve(pieces.size());
+  s.h2d = stage_pieces(s.payload, pieces, s.slot ? s.slot->data() : nullptr, false);
+}
+
+// A READ_RESPONSE bound for GPU memory receives into `slot`, then copies to
+// the device (p.h2d).
+void stage_read_response(Pending& p, std::unique_ptr<StagingSlot> slot) {
+  p.slot = std::move(slot);
+  p.h2d = stage_pieces(p.read_into, p.gpu_pieces, p.slot->data(), false);
+}
+
 }  // namespace
 
 Result<TcpTransport::PostPlan> TcpTransport::plan_post(PeerId peer,
@@ -821,8 +835,7 @@ Status TcpTransport::begin_write(Stream& s) {
     s.slot.reset();
     s.discard_left = total;
   } else {
-    s.payload.reserve(pieces.size());
-    s.h2d = stage_pieces(s.payload, pieces, s.slot ? s.slot->data() : nullptr, false);
+    stage_write(s, pieces);
   }
   s.rx = Stream::Rx::kPayload;
   return Status::Ok();
@@ -929,8 +942,7 @@ Status TcpTransport::begin_read_response(Stream& s) {
       p->transfer->note_error(path.status());
       s.discard_left = p->payload_bytes;
     } else if (auto slot = (*path)->slot_or_later(resume_with_slot(s))) {
-      p->slot = std::move(slot);
-      p->h2d = stage_pieces(p->read_into, p->gpu_pieces, p->slot->data(), false);
+      stage_read_response(*p, std::move(slot));
     } else {  // no slot free: stop reading this stream until one is
       s.reading = std::move(p);
       wait_for_slot(s);
@@ -971,17 +983,14 @@ void TcpTransport::on_broken_while_waiting(Stream& s) {
 void TcpTransport::resume_receive(Stream& s, std::unique_ptr<StagingSlot> slot) {
   if (s.dead || s.rx != Stream::Rx::kWaitSlot) return;  // the slot goes back
   if (s.reading) {
-    Pending& p = *s.reading;
-    p.slot = std::move(slot);
-    p.h2d = stage_pieces(p.read_into, p.gpu_pieces, p.slot->data(), false);
+    stage_read_response(*s.reading, std::move(slot));
   } else if (!s.write_verdict.ok()) {
     // Refused while it waited (its region was deregistered): drain it.
     s.pins.clear();
     s.discard_left = s.hdr.payload_bytes;
   } else {
     s.slot = std::move(slot);
-    s.payload.reserve(s.wait_pieces.size());
-    s.h2d = stage_pieces(s.payload, s.wait_pieces, s.slot->data(), false);
+    stage_write(s, s.wait_pieces);
   }
   s.wait_pieces.clear();
   s.rx = Stream::Rx::kPayload;
