@@ -75,10 +75,14 @@ class CopyStream {
   CopyStream(const CopyStream&) = delete;
   CopyStream& operator=(const CopyStream&) = delete;
 
-  // Validates and enqueues a batch; returns its ticket (1, 2, 3, ...). Blocks
-  // that are invalid (null pointer with size > 0, pageable host memory on the
-  // kernel path) fail the whole call with InvalidArgument naming the block
-  // index and pointer, and nothing is enqueued.
+  // Validates and enqueues a batch; returns its ticket (1, 2, 3, ...). A block
+  // that is invalid (null pointer with size > 0, pageable host memory on the
+  // kernel path; OutOfRange past the end of its allocation) fails the call
+  // with an error naming the block index and pointer, and no ticket is issued.
+  // Blocks are checked while the batch is launched in slices (so that a large
+  // batch starts copying at once): kernel-path blocks before the bad one may
+  // have been copied when the call returns (those copies have finished then);
+  // nothing from the bad block on, and no copy-engine block, is copied.
   Result<uint64_t> submit(std::span<const CopyBlock> blocks);
 
   // Ok once the batch is done, InProgress while it runs, the error if the

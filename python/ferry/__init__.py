@@ -34,8 +34,12 @@ from ._ferry import (
     StatusCode,
     Transfer,
     protocol_version,
+    cuda_available,
+    cuda_device_count,
+    cuda_unavailable_reason,
     version,
 )
+from ._gpu import CopyStream, copy_blocks
 from ._errors import (
     ERROR_CLASSES,
     Busy,
@@ -63,6 +67,7 @@ __all__ = [
     "ACCESS_READ", "ACCESS_READ_WRITE", "ACCESS_WRITE", "DESCRIPTOR_SIZE",
     "Descriptor", "Engine", "MemoryKind", "Peer", "Region", "StatusCode", "Transfer",
     "protocol_version", "version",
+    "cuda_available", "cuda_device_count", "cuda_unavailable_reason", "CopyStream", "copy_blocks",
     "FerryError", "Busy", "Cancelled", "InternalError", "InvalidArgument", "NotFound",
     "NotSupported", "OutOfRange", "PeerDisconnected", "PermissionDenied", "ProtocolError",
     "Timeout", "error_for", "MetadataInfo", "parse_metadata",

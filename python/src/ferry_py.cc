@@ -35,6 +35,8 @@
 #include "ferry/engine.h"
 #include "ferry/status.h"
 #include "ferry/types.h"
+#include "gpu_copy_py.h"
+#include "status_error.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -52,30 +54,7 @@ constexpr int kNumCodes = static_cast<int>(StatusCode::kInternal) + 1;
 // ---------------------------------------------------------------------------
 // errors
 
-struct StatusError : std::exception {
-  StatusCode code;
-  std::string message;
-  StatusError(StatusCode c, std::string m) : code(c), message(std::move(m)) {}
-  const char* what() const noexcept override { return message.c_str(); }
-};
-
 PyObject* g_error_classes[kNumCodes] = {};
-
-[[noreturn]] void raise(StatusCode code, std::string message) {
-  throw StatusError(code, std::move(message));
-}
-[[noreturn]] void raise(const ferry::Status& s) {
-  throw StatusError(
-      s.code(), s.message().empty() ? std::string(ferry::status_code_name(s.code())) : s.message());
-}
-void check(const ferry::Status& s) {
-  if (!s.ok()) raise(s);
-}
-template <typename T>
-T unwrap(ferry::Result<T>&& r) {
-  if (!r.ok()) raise(r.status());
-  return std::move(r).value();
-}
 
 void translate_status_error(const std::exception_ptr& p, void*) {
   try {
@@ -1326,6 +1305,7 @@ NB_MODULE(_ferry, m) {
   m.attr("ACCESS_WRITE") = int(ferry::kAccessWrite);
   m.attr("ACCESS_READ_WRITE") = int(ferry::kAccessReadWrite);
   m.attr("DESCRIPTOR_SIZE") = ferry::RemoteDescriptor::kEncodedSize;
+  bind_gpu_copy(m);
 
   m.def("_set_error_classes", [](nb::dict classes) {
     for (auto [k, v] : classes) {

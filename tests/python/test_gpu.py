@@ -4,60 +4,13 @@ CUDA memory comes from the CUDA runtime through ctypes (no torch, no cupy) and i
 registered the way a torch tensor would be (data_ptr() + nbytes) or as a raw
 pointer; the engine detects the memory kind.
 """
-import ctypes
-import ctypes.util
-
 import numpy as np
 import pytest
 
 import ferry
+from cudart import CUDART, NO_GPU_REASON, CudaBuffer
 
-
-def _cudart():
-    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart")):
-        if not name:
-            continue
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        n = ctypes.c_int(0)
-        if lib.cudaGetDeviceCount(ctypes.byref(n)) == 0 and n.value > 0:
-            return lib
-        return None
-    return None
-
-
-CUDART = _cudart()
-pytestmark = pytest.mark.skipif(CUDART is None, reason="no CUDA device (or no CUDA runtime)")
-
-H2D, D2H = 1, 2
-
-
-class CudaBuffer:
-    """Device memory that looks like a torch tensor to ferry (data_ptr, nbytes)."""
-
-    def __init__(self, nbytes):
-        p = ctypes.c_void_p()
-        assert CUDART.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(nbytes)) == 0
-        self.ptr, self.nbytes = p.value, nbytes
-
-    def data_ptr(self):
-        return self.ptr
-
-    def upload(self, arr):
-        assert CUDART.cudaMemcpy(ctypes.c_void_p(self.ptr), arr.ctypes.data_as(ctypes.c_void_p),
-                                 ctypes.c_size_t(arr.nbytes), H2D) == 0
-
-    def download(self):
-        out = np.empty(self.nbytes, np.uint8)
-        assert CUDART.cudaMemcpy(out.ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(self.ptr),
-                                 ctypes.c_size_t(self.nbytes), D2H) == 0
-        return out
-
-    def __del__(self):
-        if CUDART is not None and self.ptr:
-            CUDART.cudaFree(ctypes.c_void_p(self.ptr))
+pytestmark = pytest.mark.skipif(CUDART is None, reason=NO_GPU_REASON)
 
 
 @pytest.fixture()
