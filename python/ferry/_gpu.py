@@ -5,7 +5,8 @@ small blocks per call, in any direction (host->GPU, GPU->host, GPU->GPU).
 Blocks are given as three columns of equal length -- destination addresses,
 source addresses and sizes in bytes -- each a list of ints, a NumPy array or
 anything NumPy reads as integers (a CPU tensor of int64 offsets added to a
-``data_ptr()`` works). ``sizes`` may be one int for every block. Host memory
+``data_ptr()`` works). ``sizes`` may be one int for every block; ``dst`` and
+``src`` may be single ints for a single block. Host memory
 must be pinned (``cudaHostAlloc`` / ``cudaHostRegister``, e.g.
 ``torch.empty(..., pin_memory=True)``) for blocks below ``kernel_max_block``.
 The memory must stay valid until the copy is done: Ferry sees only addresses.
@@ -46,9 +47,16 @@ def _column(values, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint64)
 
 
+def _address_column(values, name: str) -> np.ndarray:
+    """Like _column, and one int is a single block."""
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+        values = [int(values)]
+    return _column(values, name)
+
+
 def _columns(dst, src, sizes):
-    d = _column(dst, "dst")
-    s = _column(src, "src")
+    d = _address_column(dst, "dst")
+    s = _address_column(src, "src")
     if isinstance(sizes, (int, np.integer)) and not isinstance(sizes, bool):
         if sizes < 0:
             raise InvalidArgument(f"sizes = {sizes} is negative")

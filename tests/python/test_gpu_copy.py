@@ -58,6 +58,7 @@ def test_availability_is_consistent():
 
 @pytest.mark.parametrize("dst, src, sizes, message", [
     ([1, 2], [3], 4096, "one entry per block: got 2, 1 and 2"),
+    (1, [2, 3], 4096, "one entry per block: got 1, 2 and 1"),
     ([1], [2], [4, 4], "one entry per block: got 1, 1 and 2"),
     ([-1], [2], 4, "dst[0] = -1 is negative"),
     ([1], np.array([5, -3])[1:], 4, "src[0] = -3 is negative"),
@@ -189,6 +190,18 @@ def test_a_late_bad_block_refuses_the_batch_and_nothing_from_it_on_is_copied():
     t = stream.submit(dst.data_ptr() + offsets, src.data_ptr() + offsets, block)
     stream.wait(t, timeout=30)
     assert_same(dst.download(), data)
+
+
+@needs_gpu
+def test_a_single_block_by_plain_ints():
+    data = np.random.default_rng(13).integers(0, 256, 5000, dtype=np.uint8)
+    src, dst = PinnedBuffer(5000), CudaBuffer(5000)
+    src.upload(data)
+    dst.upload(np.full(5000, POISON, np.uint8))
+    ferry.copy_blocks(dst.data_ptr() + 8, src.data_ptr() + 8, 4096)
+    want = np.full(5000, POISON, np.uint8)
+    want[8:4104] = data[8:4104]
+    assert_same(dst.download(), want)
 
 
 @needs_gpu
