@@ -94,12 +94,12 @@ class PyCopyStream {
     const auto start = Clock::now();
     for (;;) {
       auto slice = kWaitSlice;
-      if (timeout_s) {
+      if (timeout_s) {  // the rest of the timeout, at most one slice
         const double left_ms =
             *timeout_s * 1000.0 -
             std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-        slice = std::min(slice, std::chrono::milliseconds(
-                                    static_cast<int64_t>(std::max(0.0, std::ceil(left_ms)))));
+        const double slice_ms = std::clamp(std::ceil(left_ms), 0.0, double(kWaitSlice.count()));
+        slice = std::chrono::milliseconds(static_cast<int64_t>(slice_ms));
       }
       ferry::Status s;
       {

@@ -135,6 +135,8 @@ def test_copy_stream_runs_batches_in_order():
     assert all(stream.poll(t) for t in tickets)
     assert stream.completed_through == 4
     stream.wait(tickets[0], timeout=0)  # long done: returns at once
+    stream.wait(tickets[1], timeout=float("inf"))
+    stream.wait(tickets[2], timeout=1e300)
     assert_same(host_out.download(), data)
     stats = stream.stats()
     assert stats["batches"] == 4
