@@ -37,6 +37,7 @@
 #include "ferry/types.h"
 #include "gpu_copy_py.h"
 #include "status_error.h"
+#include "wait_slices.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -48,7 +49,6 @@ using ferry::StatusCode;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-constexpr milliseconds kWaitSlice{50};
 constexpr int kNumCodes = static_cast<int>(StatusCode::kInternal) + 1;
 
 // ---------------------------------------------------------------------------
@@ -86,13 +86,6 @@ auto without_gil(F&& f) {
 
 std::string tname(nb::handle h) {
   return nb::type_name(h.type()).c_str();
-}
-
-milliseconds to_ms(double seconds) {
-  if (!(seconds >= 0)) raise(StatusCode::kInvalidArgument, "timeout must be >= 0 seconds");
-  const double ms = std::ceil(seconds * 1000.0);
-  if (ms > 1e15) return milliseconds(std::numeric_limits<int64_t>::max() / 2000000);
-  return milliseconds(static_cast<int64_t>(ms));
 }
 
 // ---------------------------------------------------------------------------
@@ -576,14 +569,9 @@ struct PyTransfer {
   // Blocks until finished; raises the failure. timeout: seconds, None = forever.
   void wait(std::optional<double> timeout) {
     auto eng = box->get();
-    const bool bounded = timeout.has_value();
-    const auto deadline = bounded ? Clock::now() + to_ms(*timeout) : Clock::time_point::max();
+    const WaitDeadline deadline(timeout);
     while (!finished) {
-      milliseconds slice = kWaitSlice;
-      if (bounded) {
-        auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-        slice = std::clamp(left, milliseconds(0), kWaitSlice);
-      }
+      const milliseconds slice = deadline.next_slice();
       without_gil([&] {
         std::lock_guard<std::mutex> lock(mu);
         if (finished) return 0;
@@ -597,7 +585,7 @@ struct PyTransfer {
       if (finished) break;
       if (PyErr_CheckSignals() != 0) throw nb::python_error();
       if (!box->try_get()) raise(StatusCode::kCancelled, "the engine was closed during the wait");
-      if (bounded && Clock::now() >= deadline)
+      if (deadline.passed())
         raise(StatusCode::kTimeout, "transfer " + std::to_string(tid) + " (" + op + ", " +
                                         std::to_string(iovs) + " iovs) did not finish within " +
                                         std::to_string(*timeout) + " s; it is still running");
@@ -637,21 +625,16 @@ struct PyTransfer {
 void wait_sync(EngineBox& box, const std::shared_ptr<ferry::Engine>& engp, ferry::TransferId tid,
                std::optional<double> timeout, const char* op, size_t iovs, Holder& holder) {
   ferry::Engine& eng = *engp;
-  const bool bounded = timeout.has_value();
-  const auto deadline = bounded ? Clock::now() + to_ms(*timeout) : Clock::time_point::max();
+  const WaitDeadline deadline(timeout);
   for (;;) {
-    milliseconds slice = kWaitSlice;
-    if (bounded) {
-      auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-      slice = std::clamp(left, milliseconds(0), kWaitSlice);
-    }
+    const milliseconds slice = deadline.next_slice();
     ferry::Status st = without_gil([&] { return wait_slice(eng, tid, slice); });
     if (st.code() != StatusCode::kInProgress) {
       check(st);
       return;
     }
     const bool interrupted = PyErr_CheckSignals() != 0;
-    const bool expired = !interrupted && bounded && Clock::now() >= deadline;
+    const bool expired = !interrupted && deadline.passed();
     if (!interrupted && !expired) continue;
     std::optional<nb::python_error> err;
     if (interrupted) err.emplace();  // fetched: safe to call the engine now
@@ -1222,19 +1205,13 @@ struct PyEngine {
 
   nb::list wait_notifications(std::optional<double> timeout) {
     auto eng = box->get();
-    const bool bounded = timeout.has_value();
-    const auto deadline = bounded ? Clock::now() + to_ms(*timeout) : Clock::time_point::max();
+    const WaitDeadline deadline(timeout);
     for (;;) {
-      milliseconds slice = kWaitSlice;
-      if (bounded) {
-        auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-        slice = std::clamp(left, milliseconds(0), kWaitSlice);
-      }
-      auto v = without_gil([&] { return eng->wait_notifications(slice); });
+      auto v = without_gil([&] { return eng->wait_notifications(deadline.next_slice()); });
       if (!v.empty()) return to_list(std::move(v));
       if (PyErr_CheckSignals() != 0) throw nb::python_error();
       if (!box->try_get()) raise(StatusCode::kCancelled, "the engine was closed during the wait");
-      if (bounded && Clock::now() >= deadline) return nb::list();
+      if (deadline.passed()) return nb::list();
     }
   }
 

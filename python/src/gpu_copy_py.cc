@@ -21,6 +21,7 @@
 
 #include "ferry/gpu.h"
 #include "status_error.h"
+#include "wait_slices.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -29,10 +30,7 @@ namespace ferry_py {
 namespace {
 
 using ferry::StatusCode;
-using Clock = std::chrono::steady_clock;
 using Column = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
-constexpr std::chrono::milliseconds kWaitSlice{50};
 
 std::vector<ferry::CopyBlock> blocks_of(const Column& dst, const Column& src, const Column& sizes) {
   const size_t n = dst.shape(0);
@@ -88,19 +86,9 @@ class PyCopyStream {
   }
 
   void wait(uint64_t ticket, std::optional<double> timeout_s) {
-    if (timeout_s && !(*timeout_s >= 0)) {
-      raise(StatusCode::kInvalidArgument, "timeout must be >= 0 seconds");
-    }
-    const auto start = Clock::now();
+    const WaitDeadline deadline(timeout_s);
     for (;;) {
-      auto slice = kWaitSlice;
-      if (timeout_s) {  // the rest of the timeout, at most one slice
-        const double left_ms =
-            *timeout_s * 1000.0 -
-            std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-        const double slice_ms = std::clamp(std::ceil(left_ms), 0.0, double(kWaitSlice.count()));
-        slice = std::chrono::milliseconds(static_cast<int64_t>(slice_ms));
-      }
+      const std::chrono::milliseconds slice = deadline.next_slice();
       ferry::Status s;
       {
         nb::gil_scoped_release release;
@@ -111,7 +99,7 @@ class PyCopyStream {
         return;
       }
       if (PyErr_CheckSignals() != 0) throw nb::python_error();
-      if (timeout_s && Clock::now() - start >= std::chrono::duration<double>(*timeout_s)) {
+      if (deadline.passed()) {
         raise(StatusCode::kTimeout, "copy batch " + std::to_string(ticket) + " not done after " +
                                         std::to_string(*timeout_s) + " s (done through batch " +
                                         std::to_string(stream_->completed_through()) +
