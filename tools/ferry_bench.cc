@@ -483,6 +483,7 @@ struct Ctx {
   const ferry::RemoteDescriptor& desc;
   ferry::MemoryRegion local;  // registered local buffer
   std::string streams_effective;
+  std::string transport;  // the one carrying host memory to the peer
 };
 
 struct Layout {
@@ -757,6 +758,7 @@ void print_result(const Ctx& c, const RunResult& r) {
   if (o.json) {
     nlohmann::json j = {
         {"system", "ferry"},   {"op", r.op},
+        {"transport", c.transport},
         {"workload", r.w.label}, {"block_size", r.w.block},
         {"batch", r.w.batch},  {"threads", o.threads},
         {"streams", c.streams_effective.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.streams_effective)},
@@ -933,8 +935,18 @@ int run_initiator(const Opts& o) {
     die(1, "target region is only " + format_size(peer.desc.length) + " long");
   note(o, "connected; local %s, remote %s, streams %s", format_size(local.len).c_str(),
        format_size(peer.desc.length).c_str(), streams_effective.empty() ? "default" : streams_effective.c_str());
+  // Which transport carries this host memory, and why the others do not.
+  std::string carrier;
+  if (auto routes = engine->peer_transports(*peer_id); routes.ok()) {
+    for (const auto& t : *routes) {
+      note(o, "transport %-5s %s%s%s", t.transport.c_str(), t.connected ? "connected" : "not connected",
+           t.carries.empty() ? "" : (", carries " + t.carries).c_str(),
+           t.reason.empty() ? "" : (" (" + t.reason + ")").c_str());
+      if (t.carries.find("host") != std::string::npos) carrier = t.transport;
+    }
+  }
 
-  Ctx c{o, *engine, *peer_id, peer.desc, *region, streams_effective};
+  Ctx c{o, *engine, *peer_id, peer.desc, *region, streams_effective, carrier};
   if (o.post_cost > 0) run_post_cost(c);
   if (o.rss) run_rss(c, peer, rss_start, rss_idle);
   if (sweep) {

@@ -1,16 +1,16 @@
 // ferry-info: what this build of Ferry is and how it is configured.
 //
-//   ferry-info            version, protocol version, build features
+//   ferry-info            version, protocol version, build features, and the
+//                         transports an engine runs here (or why one cannot)
 //   ferry-info --config   every option (name, type, value, source, doc), as
 //                         resolved for an engine created with default config
 //                         plus the FERRY_<COMPONENT>_<NAME> environment
 //   ferry-info --json     the same as one JSON object
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
-#include <string>
-
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "ferry/engine.h"
 #include "tool_util.h"
@@ -39,24 +39,25 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json, "print as one JSON object");
   app.add_option("--listen", listen, "listen address of the engine created for --config")
       ->capture_default_str();
-  app.add_option("-o,--option", opts, "component option NAME=VALUE (repeatable), as an "
-                                      "application would pass in EngineConfig::options");
+  app.add_option("-o,--option", opts,
+                 "component option NAME=VALUE (repeatable), as an "
+                 "application would pass in EngineConfig::options");
   CLI11_PARSE(app, argc, argv);
 
   nlohmann::json j;
   j["version"] = std::string(ferry::version());
   j["protocol_version"] = ferry::protocol_version();
   j["features"] = {
-      {"cuda", FERRY_TOOLS_CUDA_BUILT ? "built" : "not built"},
+    {"cuda", FERRY_TOOLS_CUDA_BUILT ? "built" : "not built"},
 #if FERRY_TOOLS_CUDA_BUILT && defined(FERRY_TOOLS_CUDA_VERSION)
-      {"cuda_toolkit", FERRY_TOOLS_CUDA_VERSION},
+    {"cuda_toolkit", FERRY_TOOLS_CUDA_VERSION},
 #endif
-      {"build_type", FERRY_TOOLS_BUILD_TYPE},
-      {"compiler", FERRY_TOOLS_COMPILER},
-      {"sanitizers", FERRY_TOOLS_SANITIZE ? "address,undefined" : "off"},
+    {"build_type", FERRY_TOOLS_BUILD_TYPE},
+    {"compiler", FERRY_TOOLS_COMPILER},
+    {"sanitizers", FERRY_TOOLS_SANITIZE ? "address,undefined" : "off"},
   };
 
-  if (show_config) {
+  {
     ferry::EngineConfig cfg;
     cfg.listen = listen;
     for (const auto& kv : opts) {
@@ -73,14 +74,26 @@ int main(int argc, char** argv) {
                    engine.status().to_string().c_str());
       return 1;
     }
-    auto infos = (*engine)->options();
-    nlohmann::json arr = nlohmann::json::array();
-    for (const auto& o : infos) {
-      arr.push_back({{"name", o.name}, {"type", o.type}, {"value", o.value},
-                     {"source", o.source}, {"doc", o.doc}});
+    nlohmann::json transports = nlohmann::json::array();
+    for (const auto& t : (*engine)->transports()) {
+      transports.push_back({{"name", t.name},
+                            {"running", t.running},
+                            {"same_host_only", t.same_host_only},
+                            {"detail", t.detail}});
     }
-    j["options"] = arr;
-    j["listen_address"] = (*engine)->listen_address();
+    j["transports"] = transports;
+    if (show_config) {
+      nlohmann::json arr = nlohmann::json::array();
+      for (const auto& o : (*engine)->options()) {
+        arr.push_back({{"name", o.name},
+                       {"type", o.type},
+                       {"value", o.value},
+                       {"source", o.source},
+                       {"doc", o.doc}});
+      }
+      j["options"] = arr;
+      j["listen_address"] = (*engine)->listen_address();
+    }
   }
 
   if (json) {
@@ -93,6 +106,13 @@ int main(int argc, char** argv) {
   std::printf("build:\n");
   for (auto it = j["features"].begin(); it != j["features"].end(); ++it) {
     std::printf("  %-14s %s\n", it.key().c_str(), it.value().get<std::string>().c_str());
+  }
+  std::printf("transports (preference order; -o engine.transports=... forces or disables):\n");
+  for (const auto& t : j["transports"]) {
+    std::printf("  %-6s %-11s %s%s\n", t["name"].get<std::string>().c_str(),
+                t["running"].get<bool>() ? "running" : "unavailable",
+                t["same_host_only"].get<bool>() ? "same host only, " : "",
+                t["detail"].get<std::string>().c_str());
   }
   if (!show_config) {
     std::printf("(ferry-info --config lists every option)\n");
@@ -107,9 +127,8 @@ int main(int argc, char** argv) {
   }
   std::printf("options (engine listening on %s):\n",
               j["listen_address"].get<std::string>().c_str());
-  std::printf("  %-*s  %-*s  %-*s  %-*s  %s\n", static_cast<int>(wn), "name",
-              static_cast<int>(wt), "type", static_cast<int>(wv), "value",
-              static_cast<int>(ws), "source", "doc");
+  std::printf("  %-*s  %-*s  %-*s  %-*s  %s\n", static_cast<int>(wn), "name", static_cast<int>(wt),
+              "type", static_cast<int>(wv), "value", static_cast<int>(ws), "source", "doc");
   for (const auto& o : j["options"]) {
     std::printf("  %-*s  %-*s  %-*s  %-*s  %s\n", static_cast<int>(wn),
                 o["name"].get<std::string>().c_str(), static_cast<int>(wt),

@@ -38,6 +38,26 @@ struct OptionInfo {
   std::string doc;
 };
 
+// A transport this engine runs, or one it could not start (Engine::transports()).
+struct TransportInfo {
+  std::string name;  // "tcp", "shm"
+  bool running = false;
+  bool same_host_only = false;
+  std::string detail;  // its address when running, else why it is not
+};
+
+// How this engine reaches one peer over one transport (Engine::peer_transports()).
+struct PeerTransportInfo {
+  std::string transport;
+  bool connected = false;
+  // What this transport carries to the peer: "host memory", "GPU memory",
+  // "host and GPU memory", or "" when another transport is chosen for both.
+  std::string carries;
+  // Why it carries nothing, or less than it could (not connected: the failed
+  // connect's message; another host; a transport preferred to it).
+  std::string reason;
+};
+
 class Engine {
  public:
   static Result<std::unique_ptr<Engine>> create(const EngineConfig& config = {});
@@ -53,17 +73,28 @@ class Engine {
   std::string listen_address() const;
   // Every option with its effective value and where it came from.
   std::vector<OptionInfo> options() const;
+  // The transports this engine runs (in preference order) and those it could
+  // not start, with the reason.
+  std::vector<TransportInfo> transports() const;
 
   // --- peers ---------------------------------------------------------------
   // Connect by metadata bytes. Cached: the same peer again returns the same id.
+  // Connects every transport both engines run that can work between them: the
+  // same-host ones (shm) when both metadata carry the same host id, and the
+  // network one (tcp). Which one carries what, and why a faster one was not
+  // taken, is logged and reported by peer_transports().
   Result<PeerId> connect(ByteView metadata);
-  // Connect by "host:port" (IPv4, [IPv6] or a name).
+  // Connect by "host:port" (IPv4, [IPv6] or a name): the network transport
+  // only, since the peer's host identity is unknown without its metadata.
   Result<PeerId> connect(std::string_view host_port);
   // Peers that connected to us or that we connected to, alive now.
   std::vector<PeerId> peers() const;
   // The network address ("ip:port") of a connected peer's side of the
   // connection; NotFound when the peer is not connected.
   Result<std::string> peer_address(PeerId peer) const;
+  // One entry per transport this engine runs: connected to the peer or not,
+  // what it carries there and why. NotFound when the peer is unknown.
+  Result<std::vector<PeerTransportInfo>> peer_transports(PeerId peer) const;
 
   // --- memory --------------------------------------------------------------
   Result<MemoryRegion> register_memory(void* address, uint64_t length);

@@ -228,6 +228,9 @@ class Peer:
     @property
     def id(self) -> int: ...
 
+    def transports(self) -> list:
+        """How this engine reaches the peer: Engine.peer_transports(peer.id)."""
+
     def write(self, local: object, remote: object, notify: object | None = None, timeout: float | None = None, async_: bool = False) -> object:
         """
         One-sided write. local: [(buffer_or_region, offset, length), ...]; remote: [(descriptor, offset, length), ...]. Blocks unless async_=True (then returns a Transfer). notify: bytes delivered to the target after every byte is placed.
@@ -280,6 +283,16 @@ class Engine:
 
     def peers(self) -> list[int]:
         """Ids of the peers connected now (either direction)."""
+
+    def transports(self) -> list:
+        """
+        The transports this engine runs, in preference order, and those it could not start: [{'name', 'running', 'same_host_only', 'detail'}] (detail: the address, or why it is not running).
+        """
+
+    def peer_transports(self, peer_id: int) -> list:
+        """
+        How this engine reaches a peer, one entry per running transport: [{'transport', 'connected', 'carries', 'reason'}] (carries: 'host memory', 'GPU memory', 'host and GPU memory' or ''; reason: why it carries nothing or less).
+        """
 
     def peer_address(self, peer_id: int) -> str:
         """

@@ -2,7 +2,8 @@
 the UCCL compatibility layer.
 
 Layout (little endian, see src/core/metadata.h): ``"FRYM"``, u16 format version,
-u16 protocol version, u64 engine id, str16 hostname, u16 transport count, then per
+u16 protocol version, u64 engine id, str16 hostname, str16 host id (the kernel's boot
+id unless ``engine.host_id`` overrides it), u16 transport count, then per
 transport str16 name + u32 length + blob, then a u32 crc32 of everything before.
 The tcp blob is text: ``"ip:port"`` or ``"[ipv6]:port"``, comma separated when the
 engine listens on a wildcard address.
@@ -24,6 +25,7 @@ class MetadataInfo:
     format_version: int
     protocol_version: int
     hostname: str
+    host_id: str = ""
     transports: dict = field(default_factory=dict)  # name -> blob (bytes)
 
     @property
@@ -48,7 +50,7 @@ class MetadataInfo:
 def parse_metadata(data: bytes) -> MetadataInfo:
     """Decode engine metadata; raises ferry.InvalidArgument if it is malformed."""
     data = bytes(data)
-    if len(data) < 4 + 2 + 2 + 8 + 2 + 2 + 4 or data[:4] != _MAGIC:
+    if len(data) < 4 + 2 + 2 + 8 + 2 + 2 + 2 + 4 or data[:4] != _MAGIC:
         raise InvalidArgument("not Ferry engine metadata (bad magic or too short)")
     body, (crc,) = data[:-4], struct.unpack("<I", data[-4:])
     if zlib.crc32(body) & 0xFFFFFFFF != crc:
@@ -67,6 +69,8 @@ def parse_metadata(data: bytes) -> MetadataInfo:
     (engine_id,) = struct.unpack("<Q", take(8))
     (n,) = struct.unpack("<H", take(2))
     hostname = take(n).decode("utf-8", "replace")
+    (n,) = struct.unpack("<H", take(2))
+    host_id = take(n).decode("utf-8", "replace")
     (count,) = struct.unpack("<H", take(2))
     transports = {}
     for _ in range(count):
@@ -74,4 +78,4 @@ def parse_metadata(data: bytes) -> MetadataInfo:
         name = take(n).decode("utf-8", "replace")
         (blen,) = struct.unpack("<I", take(4))
         transports[name] = take(blen)
-    return MetadataInfo(engine_id, fmt_version, proto, hostname, transports)
+    return MetadataInfo(engine_id, fmt_version, proto, hostname, host_id, transports)

@@ -757,6 +757,21 @@ thread_local Scratch t_scratch;
 thread_local uint64_t t_binding_ns = 0;
 thread_local Clock::time_point t_call_start;
 
+// [{"transport", "connected", "carries", "reason"}, ...] for Engine.peer_transports
+// and Peer.transports().
+nb::list peer_transport_list(ferry::Engine& engine, uint64_t peer_id) {
+  nb::list out;
+  for (const auto& t : unwrap(engine.peer_transports(peer_id))) {
+    nb::dict d;
+    d["transport"] = t.transport;
+    d["connected"] = t.connected;
+    d["carries"] = t.carries;
+    d["reason"] = t.reason;
+    out.append(d);
+  }
+  return out;
+}
+
 struct PyPeer {
   BoxPtr box;
   uint64_t id = 0;
@@ -1137,6 +1152,21 @@ struct PyEngine {
     return out;
   }
 
+  nb::list transports() {
+    nb::list out;
+    for (const auto& t : box->get()->transports()) {
+      nb::dict d;
+      d["name"] = t.name;
+      d["running"] = t.running;
+      d["same_host_only"] = t.same_host_only;
+      d["detail"] = t.detail;
+      out.append(d);
+    }
+    return out;
+  }
+
+  nb::list peer_transports(uint64_t peer_id) { return peer_transport_list(*box->get(), peer_id); }
+
   std::vector<uint64_t> peers() { return box->get()->peers(); }
 
   std::string peer_address(uint64_t peer_id) { return unwrap(box->get()->peer_address(peer_id)); }
@@ -1427,6 +1457,9 @@ NB_MODULE(_ferry, m) {
   nb::class_<PyPeer>(m, "Peer", "A connected remote engine.")
       .def_prop_ro("id", [](const PyPeer& p) { return p.id; })
       .def(
+          "transports", [](PyPeer& p) { return peer_transport_list(*p.box->get(), p.id); },
+          "How this engine reaches the peer: Engine.peer_transports(peer.id).")
+      .def(
           "write",
           [](PyPeer& p, nb::handle local, nb::handle remote, nb::handle notify,
              std::optional<double> timeout, bool async_) {
@@ -1515,6 +1548,14 @@ NB_MODULE(_ferry, m) {
       .def("metadata", &PyEngine::metadata, "Bytes a peer passes to connect() to reach us.")
       .def("options", &PyEngine::options, "Every option with its effective value and source.")
       .def("peers", &PyEngine::peers, "Ids of the peers connected now (either direction).")
+      .def("transports", &PyEngine::transports,
+           "The transports this engine runs, in preference order, and those it could not "
+           "start: [{'name', 'running', 'same_host_only', 'detail'}] (detail: the address, or "
+           "why it is not running).")
+      .def("peer_transports", &PyEngine::peer_transports, "peer_id"_a,
+           "How this engine reaches a peer, one entry per running transport: [{'transport', "
+           "'connected', 'carries', 'reason'}] (carries: 'host memory', 'GPU memory', 'host "
+           "and GPU memory' or ''; reason: why it carries nothing or less).")
       .def("peer_address", &PyEngine::peer_address, "peer_id"_a,
            "The connected peer's 'ip:port' on its side of the connection (NotFound if not "
            "connected).")

@@ -10,13 +10,16 @@
 #include <mutex>
 #include <set>
 
+#include "core/host_identity.h"
 #include "core/metadata.h"
 #include "core/options.h"
 #include "core/region_registry.h"
 #include "core/transfer.h"
+#include "core/transport_set.h"
 #include "core/version.h"
 #include "cuda/cuda_detect.h"
 #include "fmt/format.h"
+#include "fmt/ranges.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "transport/transport.h"
@@ -29,8 +32,12 @@ constexpr size_t kMaxIovsPerCall = 1'000'000;
 constexpr uint64_t kSpinMaxBytes = 256 << 10;
 
 const OptionSpec kEngineOptionSpecs[] = {
-    {"engine.transport", OptionType::kString, "tcp",
-     "network transport used for peers (registered: tcp)"},
+    {"engine.transports", OptionType::kString, "auto",
+     "transports to run: auto (every one that can work here) or a comma list, e.g. tcp to force "
+     "tcp, shm,tcp; per peer the fastest connected one that carries the memory is used"},
+    {"engine.host_id", OptionType::kString, "",
+     "identity of this host for the same-host decision (empty: the kernel's boot id); engines "
+     "with different ids never use same-host transports between them"},
     {"engine.log_level", OptionType::kString, "warn",
      "log level: trace, debug, info, warn, error, off"},
     {"engine.wait_spin_us", OptionType::kUint, "100",
@@ -66,7 +73,21 @@ void log_to_stderr() {
 
 }  // namespace
 
-class Engine::Impl : public TransportEvents {
+// Forwards one transport's events to the engine, tagged with its name.
+class TaggedEvents : public TransportEvents {
+ public:
+  TaggedEvents(Engine::Impl& impl, std::string_view transport)
+      : impl_(impl), transport_(transport) {}
+  void on_notification(PeerId peer, Bytes payload) override;
+  void on_peer_up(PeerId peer) override;
+  void on_peer_down(PeerId peer, const Status& reason) override;
+
+ private:
+  Engine::Impl& impl_;
+  std::string transport_;
+};
+
+class Engine::Impl {
  public:
   Status init(const EngineConfig& config) {
     auto options = OptionSet::resolve(all_option_specs(), config.options);
@@ -88,38 +109,40 @@ class Engine::Impl : public TransportEvents {
       randombytes_buf(&id_, sizeof id_);
     } while (id_ == 0);
 
-    const std::string& name = options_.get_string("engine.transport");
-    const TransportRegistration* reg = find_transport(name);
-    if (!reg) {
-      return err::InvalidArgument(fmt::format("option engine.transport: no transport '{}'", name));
-    }
-    network_ = reg->create();
+    host_id_ = options_.get_string("engine.host_id");
+    if (host_id_.empty()) host_id_ = kernel_boot_id();
+
     TransportContext ctx;
     ctx.engine_id = id_;
     ctx.listen = config.listen;
     ctx.registry = &registry_;
-    ctx.events = this;
     ctx.options = &options_;
-    if (Status s = network_->start(ctx); !s.ok()) return s;
-    spdlog::info("ferry: engine {} up, transport {} at {}", hex_id(id_), name,
-                 network_->local_address_text());
+    Status s = transports_.start(
+        options_.get_string("engine.transports"), ctx,
+        [this](std::string_view name) { return std::make_unique<TaggedEvents>(*this, name); });
+    if (!s.ok()) return s;
+    for (const TransportInfo& t : transports_.describe()) {
+      spdlog::info("ferry: engine {} transport {}: {}", hex_id(id_), t.name,
+                   t.running ? "running at " + t.detail : "not running: " + t.detail);
+    }
     return Status::Ok();
   }
 
-  ~Impl() override {
-    if (network_) network_->shutdown(err::Cancelled("engine shut down"));
+  ~Impl() {
+    transports_.shutdown(err::Cancelled("engine shut down"));
     transfers_.fail_all(err::Cancelled("engine shut down"));
   }
 
-  // --- TransportEvents ---
-  void on_notification(PeerId peer, Bytes payload) override {
+  // --- events from the transports ---
+  void on_notification(PeerId peer, Bytes payload) {
     {
       std::lock_guard lock(notify_mu_);
       notifications_.push_back({peer, std::move(payload)});
     }
     notify_cv_.notify_all();
   }
-  void on_peer_up(PeerId peer) override {
+  void on_peer_up(std::string_view transport, PeerId peer) {
+    transports_.clear_unused(peer, transport);
     std::lock_guard lock(peers_mu_);
     lost_.erase(peer);
     known_.insert(peer);
@@ -128,13 +151,30 @@ class Engine::Impl : public TransportEvents {
     std::lock_guard lock(peers_mu_);
     return {known_.begin(), known_.end()};
   }
-  void on_peer_down(PeerId peer, const Status& reason) override {
+  void on_peer_down(std::string_view transport, PeerId peer, const Status& reason) {
+    transports_.note_unused(peer, transport, fmt::format("connection lost: {}", reason.message()));
+    if (transports_.connected(peer)) {
+      // Another transport still reaches the peer: say so, never slow down silently.
+      spdlog::warn("ferry: peer {}: {} connection lost ({}); its traffic moves to {}", hex_id(peer),
+                   transport, reason.message(), describe_routes(peer));
+    }
     std::lock_guard lock(peers_mu_);
     lost_[peer] = reason.message();
   }
 
+  // "host memory over shm, GPU memory over tcp"
+  std::string describe_routes(PeerId peer) const {
+    std::vector<std::string> parts;
+    for (MemoryRoute route : {MemoryRoute::kHostOnly, MemoryRoute::kCuda}) {
+      auto t = transports_.choose(peer, route);
+      parts.push_back(fmt::format("{} over {}", memory_route_name(route),
+                                  t.ok() ? std::string((*t)->name()) : std::string("nothing")));
+    }
+    return fmt::format("{}, {}", parts[0], parts[1]);
+  }
+
   Status check_peer(PeerId peer) {
-    if (network_->is_connected(peer)) return Status::Ok();
+    if (transports_.connected(peer)) return Status::Ok();
     std::lock_guard lock(peers_mu_);
     if (auto it = lost_.find(peer); it != lost_.end()) {
       return err::PeerDisconnected(
@@ -147,7 +187,7 @@ class Engine::Impl : public TransportEvents {
   // Local checks of one batch; fills the segments handed to the transport.
   Status build_segments(PeerId peer, std::span<const LocalIov> local,
                         std::span<const RemoteIov> remote, uint8_t wanted,
-                        std::vector<Segment>* out) {
+                        std::vector<Segment>* out, MemoryRoute* route) {
     const char* op = wanted == kAccessWrite ? "write" : "read";
     if (local.size() != remote.size()) {
       return err::InvalidArgument(
@@ -158,6 +198,7 @@ class Engine::Impl : public TransportEvents {
           fmt::format("{}: {} iovs (allowed 1 to {})", op, local.size(), kMaxIovsPerCall));
     }
     out->resize(local.size());
+    *route = MemoryRoute::kHostOnly;
     MemoryRegion cached{};
     for (size_t i = 0; i < local.size(); ++i) {
       const LocalIov& l = local[i];
@@ -196,11 +237,8 @@ class Engine::Impl : public TransportEvents {
         }
         cached = *found;
       }
-      if ((cached.kind != MemoryKind::kHost || d->kind != MemoryKind::kHost) &&
-          !network_->capabilities().cuda_memory) {
-        return err::NotSupported(fmt::format(
-            "{} iov {}: GPU memory (local {}, remote {}) is not supported by the {} transport here",
-            op, i, memory_kind_name(cached.kind), memory_kind_name(d->kind), network_->name()));
+      if (cached.kind != MemoryKind::kHost || d->kind != MemoryKind::kHost) {
+        *route = MemoryRoute::kCuda;
       }
       Segment& s = (*out)[i];
       s.local = static_cast<uint8_t*>(l.address);
@@ -217,17 +255,24 @@ class Engine::Impl : public TransportEvents {
     if (Status s = check_peer(peer); !s.ok()) return s;
     std::vector<Segment> segments;
     const uint8_t wanted = op == TransferOp::kWrite ? kAccessWrite : kAccessRead;
-    if (Status s = build_segments(peer, local, remote, wanted, &segments); !s.ok()) return s;
+    MemoryRoute route;
+    if (Status s = build_segments(peer, local, remote, wanted, &segments, &route); !s.ok()) {
+      return s;
+    }
+    auto chosen = transports_.choose(peer, route);
+    if (!chosen.ok()) return chosen.status();
+    Transport* transport = *chosen;
     auto t = transfers_.create(op, peer);
+    t->transport = transport;
     for (const Segment& seg : segments) t->bytes += seg.length;
     if (notification) {
       t->notification.assign(notification->begin(), notification->end());
       t->has_notification = true;
     }
-    Status s = op == TransferOp::kWrite ? network_->post_write(peer, t, std::move(segments))
-                                        : network_->post_read(peer, t, std::move(segments));
+    Status s = op == TransferOp::kWrite ? transport->post_write(peer, t, std::move(segments))
+                                        : transport->post_read(peer, t, std::move(segments));
     if (!s.ok()) {
-      network_->cancel(*t);
+      transport->cancel(*t);
       transfers_.erase(t->id());
       return s;
     }
@@ -253,11 +298,66 @@ class Engine::Impl : public TransportEvents {
         "transfer {} is unknown: never started, or its final status was already reported", id));
   }
 
+  // Connects every transport both engines run that can work between them.
+  Result<PeerId> connect(const EngineMetadata& m) {
+    const PeerId peer = m.engine_id;
+    const bool same_host = !host_id_.empty() && m.host_id == host_id_;
+    Status first_error;
+    bool any = false;
+    for (const TransportSet::Running& t : transports_.running()) {
+      const TransportAddress* address = m.find(t.name);
+      if (!address) {
+        transports_.note_unused(
+            peer, t.name,
+            fmt::format("engine {} on {} does not run {}", hex_id(peer), m.hostname, t.name));
+        continue;
+      }
+      if (t.caps.same_host_only && !same_host) {
+        transports_.note_unused(
+            peer, t.name,
+            fmt::format("engine {} is on another host ({}, host id '{}'; ours '{}')", hex_id(peer),
+                        m.hostname, m.host_id, host_id_));
+        continue;
+      }
+      if (t.transport->is_connected(peer)) {
+        any = true;
+        continue;
+      }
+      auto r = t.transport->connect(address->blob, peer);
+      if (!r.ok()) {
+        transports_.note_unused(peer, t.name, r.status().message());
+        if (first_error.ok()) first_error = r.status();
+        if (t.caps.same_host_only) {
+          spdlog::warn("ferry: peer {} on this host: {} not used: {}", hex_id(peer), t.name,
+                       r.status().message());
+        }
+        continue;
+      }
+      any = true;
+    }
+    if (!any) {
+      if (!first_error.ok()) return first_error;
+      return err::NotSupported(
+          fmt::format("engine {} on {} runs no transport this engine can use (ours: {})",
+                      hex_id(peer), m.hostname, running_names()));
+    }
+    spdlog::info("ferry: peer {} on {} ({}): {}", hex_id(peer), m.hostname,
+                 same_host ? "this host" : "another host", describe_routes(peer));
+    return peer;
+  }
+
+  std::string running_names() const {
+    std::vector<std::string> names;
+    for (const auto& t : transports_.running()) names.push_back(t.name);
+    return fmt::format("{}", fmt::join(names, ", "));
+  }
+
   uint64_t id_ = 0;
+  std::string host_id_;
   OptionSet options_;
   RegionRegistry registry_;
   TransferTable transfers_;
-  std::unique_ptr<Transport> network_;
+  TransportSet transports_;
   std::mutex peers_mu_;
   std::map<PeerId, std::string> lost_;
   std::chrono::microseconds wait_spin_{0};
@@ -266,6 +366,16 @@ class Engine::Impl : public TransportEvents {
   std::condition_variable notify_cv_;
   std::deque<Notification> notifications_;
 };
+
+void TaggedEvents::on_notification(PeerId peer, Bytes payload) {
+  impl_.on_notification(peer, std::move(payload));
+}
+void TaggedEvents::on_peer_up(PeerId peer) {
+  impl_.on_peer_up(transport_, peer);
+}
+void TaggedEvents::on_peer_down(PeerId peer, const Status& reason) {
+  impl_.on_peer_down(transport_, peer, reason);
+}
 
 // ------------------------------------------------------------ public API ---
 
@@ -289,13 +399,22 @@ Bytes Engine::metadata() const {
   char host[256] = {};
   gethostname(host, sizeof host - 1);
   m.hostname = host;
-  m.transports.push_back({std::string(impl_->network_->name()), impl_->network_->local_address()});
+  m.host_id = impl_->host_id_;
+  for (const auto& t : impl_->transports_.running()) {
+    m.transports.push_back({t.name, t.transport->local_address()});
+  }
   return m.encode();
 }
 
 std::string Engine::listen_address() const {
-  const std::string all = impl_->network_->local_address_text();
+  Transport* network = impl_->transports_.network();
+  if (!network) return {};
+  const std::string all = network->local_address_text();
   return all.substr(0, all.find(','));
+}
+
+std::vector<TransportInfo> Engine::transports() const {
+  return impl_->transports_.describe();
 }
 
 std::vector<OptionInfo> Engine::options() const {
@@ -310,35 +429,60 @@ Result<PeerId> Engine::connect(ByteView metadata) {
         fmt::format("protocol version mismatch: engine {} on {} speaks {}, this engine speaks {}",
                     hex_id(m->engine_id), m->hostname, m->protocol_version, kProtocolVersion));
   }
-  const auto* address = m->find(impl_->network_->name());
-  if (!address) {
-    return err::NotSupported(fmt::format("engine {} on {} offers no {} address",
-                                         hex_id(m->engine_id), m->hostname,
-                                         impl_->network_->name()));
-  }
-  return impl_->network_->connect(address->blob, m->engine_id);
+  return impl_->connect(*m);
 }
 
 Result<PeerId> Engine::connect(std::string_view host_port) {
-  return impl_->network_->connect(
+  Transport* network = impl_->transports_.network();
+  if (!network) {
+    return err::NotSupported(fmt::format(
+        "connect to {}: no network transport runs (engine.transports: {}); connect by metadata",
+        host_port, impl_->running_names()));
+  }
+  auto peer = network->connect(
       ByteView(reinterpret_cast<const uint8_t*>(host_port.data()), host_port.size()), 0);
+  if (!peer.ok()) return peer;
+  for (const auto& t : impl_->transports_.running()) {
+    if (t.caps.same_host_only && !t.transport->is_connected(*peer)) {
+      impl_->transports_.note_unused(
+          *peer, t.name,
+          fmt::format("connected by host:port ({}), which says nothing of the peer's host: "
+                      "connect with its metadata to use same-host transports",
+                      host_port));
+    }
+  }
+  return peer;
 }
 
 std::vector<PeerId> Engine::peers() const {
   // Peers that ever came up and are connected now.
   std::vector<PeerId> out;
   for (PeerId p : impl_->known_peers()) {
-    if (impl_->network_->is_connected(p)) out.push_back(p);
+    if (impl_->transports_.connected(p)) out.push_back(p);
   }
   return out;
 }
 
 Result<std::string> Engine::peer_address(PeerId peer) const {
-  std::string address = impl_->network_->peer_address(peer);
+  // The network address when there is one (what callers print), else any.
+  std::string address;
+  if (Transport* network = impl_->transports_.network()) address = network->peer_address(peer);
+  for (const auto& t : impl_->transports_.running()) {
+    if (address.empty()) address = t.transport->peer_address(peer);
+  }
   if (address.empty()) {
     return err::NotFound(fmt::format("peer {} is not connected", hex_id(peer)));
   }
   return address;
+}
+
+Result<std::vector<PeerTransportInfo>> Engine::peer_transports(PeerId peer) const {
+  const auto known = impl_->known_peers();
+  if (!impl_->transports_.connected(peer) &&
+      std::find(known.begin(), known.end(), peer) == known.end()) {
+    return err::NotFound(fmt::format("peer {} is unknown: never connected", hex_id(peer)));
+  }
+  return impl_->transports_.describe_peer(peer);
 }
 
 Result<MemoryRegion> Engine::register_memory(void* address, uint64_t length) {
@@ -346,9 +490,9 @@ Result<MemoryRegion> Engine::register_memory(void* address, uint64_t length) {
 }
 
 Status Engine::deregister_memory(RegionId region) {
-  Transport* network = impl_->network_.get();
-  return impl_->registry_.remove(region, [network] {
-    if (network) network->release_revoked_regions();
+  const TransportSet& set = impl_->transports_;
+  return impl_->registry_.remove(region, [&set] {
+    for (const auto& t : set.running()) t.transport->release_revoked_regions();
   });
 }
 
@@ -408,15 +552,18 @@ Status Engine::cancel(TransferId transfer) {
   auto t = impl_->transfers_.find(transfer);
   if (!t) return Impl::unknown_transfer(transfer);
   if (t->finished()) return Status::Ok();
-  impl_->network_->cancel(*t);
+  if (t->transport) t->transport->cancel(*t);
   t->complete(err::Cancelled(fmt::format("transfer {} was cancelled by the caller", transfer)));
   return Status::Ok();
 }
 
 Status Engine::notify(PeerId peer, ByteView payload) {
   if (Status s = impl_->check_peer(peer); !s.ok()) return s;
+  auto chosen = impl_->transports_.choose(peer, MemoryRoute::kHostOnly);
+  if (!chosen.ok()) return chosen.status();
   auto t = impl_->transfers_.create(TransferOp::kNotify, peer);
-  Status s = impl_->network_->post_notification(peer, t, Bytes(payload.begin(), payload.end()));
+  t->transport = *chosen;
+  Status s = (*chosen)->post_notification(peer, t, Bytes(payload.begin(), payload.end()));
   if (!s.ok()) {
     impl_->transfers_.erase(t->id());
     return s;

@@ -20,6 +20,7 @@ Bytes EngineMetadata::encode() const {
   w.u16(protocol_version);
   w.u64(engine_id);
   w.str16(hostname);
+  w.str16(host_id);
   w.u16(static_cast<uint16_t>(transports.size()));
   for (const auto& t : transports) {
     w.str16(t.transport);
@@ -31,7 +32,7 @@ Bytes EngineMetadata::encode() const {
 }
 
 Result<EngineMetadata> EngineMetadata::decode(ByteView bytes) {
-  if (bytes.size() < 4 + 2 + 2 + 8 + 2 + 2 + 4) {
+  if (bytes.size() < 4 + 2 + 2 + 8 + 2 + 2 + 2 + 4) {
     return err::InvalidArgument(
         fmt::format("engine metadata too short: {} bytes (truncated?)", bytes.size()));
   }
@@ -67,6 +68,7 @@ Result<EngineMetadata> EngineMetadata::decode(ByteView bytes) {
   m.protocol_version = body_reader.u16();
   m.engine_id = body_reader.u64();
   m.hostname = body_reader.str16();
+  m.host_id = body_reader.str16();
   const uint16_t count = body_reader.u16();
   if (!body_reader.ok()) return err::InvalidArgument("engine metadata truncated in its header");
   if (count > kMaxTransports) {

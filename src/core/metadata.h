@@ -1,7 +1,7 @@
 // Engine metadata: the bytes a peer needs to connect to us.
 //
 // Layout (little endian): "FRYM" magic, u16 format version, u16 protocol
-// version, u64 engine id, str16 hostname, u16 transport count, then per
+// version, u64 engine id, str16 hostname, str16 host id, u16 transport count, then per
 // transport str16 name + u32 length + blob, then a u32 crc32 of all before it.
 #pragma once
 
@@ -19,12 +19,16 @@ struct TransportAddress {
 };
 
 struct EngineMetadata {
-  static constexpr uint16_t kFormatVersion = 1;
+  static constexpr uint16_t kFormatVersion = 2;
   static constexpr size_t kMaxEncodedSize = 64 * 1024;
 
   uint64_t engine_id = 0;
   uint16_t protocol_version = 0;
   std::string hostname;
+  // Identity of the machine's kernel (its boot id unless the engine.host_id
+  // option says otherwise): engines with equal host ids may use same-host
+  // transports. Never derived from addresses.
+  std::string host_id;
   std::vector<TransportAddress> transports;
 
   Bytes encode() const;

@@ -17,6 +17,8 @@
 
 namespace ferry {
 
+class Transport;
+
 enum class TransferOp : uint8_t { kWrite, kRead, kNotify };
 
 class Transfer {
@@ -45,6 +47,8 @@ class Transfer {
   Status first_error() const;
   // Payload bytes of the batch (set by core when posting).
   uint64_t bytes = 0;
+  // The transport the batch was posted on (set by core; cancel goes there).
+  Transport* transport = nullptr;
   // Payload of a notification sent after the write completes (empty: none).
   Bytes notification;
   bool has_notification = false;

@@ -60,6 +60,8 @@ class Transport {
   virtual std::string_view name() const = 0;
   virtual TransportCaps capabilities() const = 0;
 
+  // NotSupported when the transport cannot work on this machine (the message
+  // says why); the engine then runs without it and reports the reason.
   virtual Status start(const TransportContext& context) = 0;
   // Stops I/O threads; every transfer still in flight completes with `reason`.
   virtual void shutdown(const Status& reason) = 0;
@@ -98,6 +100,9 @@ class Transport {
 // itself here; core looks transports up by name (no #ifdef chains).
 struct TransportRegistration {
   std::string name;
+  // Preference when several connected transports can carry a transfer: lower
+  // wins (same-host transports before network ones, fabric before tcp).
+  int rank = 100;
   std::unique_ptr<Transport> (*create)();
   std::span<const OptionSpec> options;
 };

@@ -273,6 +273,7 @@ EngineMetadata SampleMetadata() {
   m.engine_id = 0x0123456789ABCDEFull;
   m.protocol_version = 7;
   m.hostname = "node-17.example";
+  m.host_id = "c24a7a6a-71d3-452c-89b8-ffd79478cc5d";
   m.transports.push_back({"tcp", Bytes{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}});
   m.transports.push_back({"shm", Bytes{}});
   m.transports.push_back({"fabric", Bytes(300, 0xA5)});
@@ -307,6 +308,7 @@ struct RawMeta {
   uint16_t protocol_version = 7;
   uint64_t engine_id = 42;
   std::string hostname = "host";
+  std::string host_id = "boot-1";
   struct T {
     std::string name;
     Bytes blob;
@@ -327,6 +329,8 @@ struct RawMeta {
     w.u64(engine_id);
     w.u16(hostname_len.value_or(static_cast<uint16_t>(hostname.size())));
     w.bytes(hostname.data(), hostname.size());
+    w.u16(static_cast<uint16_t>(host_id.size()));
+    w.bytes(host_id.data(), host_id.size());
     w.u16(transport_count.value_or(static_cast<uint16_t>(transports.size())));
     for (const auto& t : transports) {
       w.u16(t.name_len.value_or(static_cast<uint16_t>(t.name.size())));
@@ -416,6 +420,7 @@ TEST_F(MetadataCodec, MatchesDocumentedLayout) {
   m.engine_id = raw.engine_id;
   m.protocol_version = raw.protocol_version;
   m.hostname = raw.hostname;
+  m.host_id = raw.host_id;
   m.transports.push_back({"tcp", Bytes{9, 8, 7, 6}});
   EXPECT_EQ(m.encode(), Sealed(raw));
   auto r = DecodeMetaGuarded(Sealed(raw));

@@ -4,7 +4,7 @@
 namespace ferry::tcp {
 namespace {
 const bool kRegistered = register_transport(
-    {"tcp", [] { return std::unique_ptr<Transport>(new TcpTransport()); },
+    {"tcp", 100, [] { return std::unique_ptr<Transport>(new TcpTransport()); },
      std::span<const OptionSpec>(kTcpOptionSpecs, kTcpOptionSpecCount)});
 }  // namespace
 }  // namespace ferry::tcp

@@ -1,0 +1,196 @@
+#include "core/transport_set.h"
+
+#include <algorithm>
+
+#include "fmt/format.h"
+#include "fmt/ranges.h"
+#include "spdlog/spdlog.h"
+
+namespace ferry {
+namespace {
+
+std::string hex_peer(PeerId id) {
+  return fmt::format("{:016x}", id);
+}
+
+bool can_carry(const TransportCaps& caps, MemoryRoute route) {
+  return route == MemoryRoute::kHostOnly ? caps.host_memory : caps.cuda_memory;
+}
+
+std::vector<std::string> split_names(const std::string& text) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= text.size()) {
+    size_t comma = text.find(',', at);
+    if (comma == std::string::npos) comma = text.size();
+    std::string name = text.substr(at, comma - at);
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    if (!name.empty()) out.push_back(std::move(name));
+    at = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string_view memory_route_name(MemoryRoute route) {
+  return route == MemoryRoute::kHostOnly ? "host memory" : "GPU memory";
+}
+
+Status TransportSet::start(
+    const std::string& selection, const TransportContext& base,
+    const std::function<std::unique_ptr<TransportEvents>(std::string_view)>& make_events) {
+  const bool automatic = selection == "auto";
+  std::vector<const TransportRegistration*> wanted;
+  if (automatic) {
+    for (const auto& r : registered_transports()) wanted.push_back(&r);
+  } else {
+    for (const std::string& name : split_names(selection)) {
+      const TransportRegistration* r = find_transport(name);
+      if (!r) {
+        std::string known;
+        for (const auto& t : registered_transports()) known += (known.empty() ? "" : ", ") + t.name;
+        return err::InvalidArgument(
+            fmt::format("option engine.transports: no transport '{}' (built in: {})", name, known));
+      }
+      if (std::find(wanted.begin(), wanted.end(), r) == wanted.end()) wanted.push_back(r);
+    }
+    if (wanted.empty()) {
+      return err::InvalidArgument("option engine.transports: names no transport");
+    }
+  }
+  std::stable_sort(wanted.begin(), wanted.end(),
+                   [](const auto* a, const auto* b) { return a->rank < b->rank; });
+
+  for (const TransportRegistration* r : wanted) {
+    Running t;
+    t.name = r->name;
+    t.rank = r->rank;
+    t.transport = r->create();
+    t.events = make_events(r->name);
+    TransportContext ctx = base;
+    ctx.events = t.events.get();
+    Status s = t.transport->start(ctx);
+    if (!s.ok()) {
+      if (!automatic) {
+        shutdown(err::Cancelled("engine start failed"));
+        return Status(s.code(), fmt::format("transport {} (named by engine.transports) cannot "
+                                            "start: {}",
+                                            r->name, s.message()));
+      }
+      spdlog::info("ferry: transport {} not running here: {}", r->name, s.message());
+      unavailable_.push_back({r->name, false, false, s.message()});
+      continue;
+    }
+    t.caps = t.transport->capabilities();
+    running_.push_back(std::move(t));
+  }
+  if (running_.empty()) {
+    return err::NotSupported("no transport could start: " + (unavailable_.empty()
+                                                                 ? std::string("none selected")
+                                                                 : unavailable_.front().detail));
+  }
+  return Status::Ok();
+}
+
+void TransportSet::shutdown(const Status& reason) {
+  for (Running& t : running_) t.transport->shutdown(reason);
+}
+
+std::vector<TransportInfo> TransportSet::describe() const {
+  std::vector<TransportInfo> out;
+  for (const Running& t : running_) {
+    out.push_back({t.name, true, t.caps.same_host_only, t.transport->local_address_text()});
+  }
+  out.insert(out.end(), unavailable_.begin(), unavailable_.end());
+  return out;
+}
+
+Transport* TransportSet::network() const {
+  for (const Running& t : running_) {
+    if (!t.caps.same_host_only) return t.transport.get();
+  }
+  return nullptr;
+}
+
+Transport* TransportSet::find(std::string_view name) const {
+  for (const Running& t : running_) {
+    if (t.name == name) return t.transport.get();
+  }
+  return nullptr;
+}
+
+bool TransportSet::connected(PeerId peer) const {
+  return std::any_of(running_.begin(), running_.end(),
+                     [peer](const Running& t) { return t.transport->is_connected(peer); });
+}
+
+const TransportSet::Running* TransportSet::pick(PeerId peer, MemoryRoute route) const {
+  for (const Running& t : running_) {
+    if (can_carry(t.caps, route) && t.transport->is_connected(peer)) return &t;
+  }
+  return nullptr;
+}
+
+Result<Transport*> TransportSet::choose(PeerId peer, MemoryRoute route) const {
+  if (const Running* t = pick(peer, route)) return t->transport.get();
+  std::string connected;
+  for (const Running& t : running_) {
+    if (t.transport->is_connected(peer)) connected += (connected.empty() ? "" : ", ") + t.name;
+  }
+  return err::NotSupported(fmt::format(
+      "{} to peer {}: no connected transport carries it (connected: {}); see peer_transports()",
+      memory_route_name(route), hex_peer(peer), connected.empty() ? "none" : connected));
+}
+
+void TransportSet::note_unused(PeerId peer, std::string_view transport, std::string reason) {
+  std::lock_guard lock(mu_);
+  unused_[peer][std::string(transport)] = std::move(reason);
+}
+
+void TransportSet::clear_unused(PeerId peer, std::string_view transport) {
+  std::lock_guard lock(mu_);
+  auto it = unused_.find(peer);
+  if (it == unused_.end()) return;
+  if (auto r = it->second.find(transport); r != it->second.end()) it->second.erase(r);
+}
+
+std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
+  const Running* host = pick(peer, MemoryRoute::kHostOnly);
+  const Running* cuda = pick(peer, MemoryRoute::kCuda);
+  std::lock_guard lock(mu_);
+  const auto notes = unused_.find(peer);
+  std::vector<PeerTransportInfo> out;
+  for (const Running& t : running_) {
+    PeerTransportInfo info;
+    info.transport = t.name;
+    info.connected = t.transport->is_connected(peer);
+    const bool h = host == &t;
+    const bool c = cuda == &t;
+    info.carries = h && c ? "host and GPU memory" : h ? "host memory" : c ? "GPU memory" : "";
+    if (!info.connected) {
+      if (notes != unused_.end()) {
+        if (auto n = notes->second.find(t.name); n != notes->second.end()) info.reason = n->second;
+      }
+      if (info.reason.empty()) info.reason = "not connected to this peer";
+    } else if (!h || !c) {
+      // Say which transport took what this one could carry.
+      std::vector<std::string> taken;
+      if (!h && can_carry(t.caps, MemoryRoute::kHostOnly) && host) {
+        taken.push_back(fmt::format("{} carries host memory", host->name));
+      }
+      if (!c && can_carry(t.caps, MemoryRoute::kCuda) && cuda) {
+        taken.push_back(fmt::format("{} carries GPU memory", cuda->name));
+      }
+      if (!can_carry(t.caps, MemoryRoute::kCuda) && !c) {
+        taken.push_back("carries no GPU memory");
+      }
+      info.reason = fmt::format("{}", fmt::join(taken, "; "));
+    }
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+}  // namespace ferry

@@ -1,0 +1,77 @@
+// The transports one engine runs, and the per-peer choice between them.
+//
+// The engine starts every transport that `engine.transports` names ("auto":
+// every registered one) and that can work here; a transport whose start()
+// fails is kept out with the reason. Per peer and per call, the choice is the
+// lowest-ranked transport that is connected to the peer and can carry the
+// memory kinds involved: same-host transports (rank < 100) before network
+// ones. Whatever was not taken, and why, is kept per peer for
+// Engine::peer_transports(), ferry-info and ferry-bench.
+//
+// Policy lives here, not in the transports: a transport only says what it can
+// carry (TransportCaps) and whether it is connected to a peer.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/engine.h"
+#include "transport/transport.h"
+
+namespace ferry {
+
+// What one call moves: host memory on both sides, or GPU memory on either.
+enum class MemoryRoute : uint8_t { kHostOnly, kCuda };
+std::string_view memory_route_name(MemoryRoute route);
+
+class TransportSet {
+ public:
+  struct Running {
+    std::string name;
+    int rank = 100;
+    TransportCaps caps;
+    std::unique_ptr<Transport> transport;
+    std::unique_ptr<TransportEvents> events;  // tags events with `name`
+  };
+
+  // Parses `engine.transports` ("auto" or a comma list of names). Unknown
+  // names are errors; a named transport that cannot start is an error too
+  // (the caller asked for it), while under "auto" it is only reported.
+  // `make_events` gives each transport the events object it reports to.
+  Status start(
+      const std::string& selection, const TransportContext& base,
+      const std::function<std::unique_ptr<TransportEvents>(std::string_view)>& make_events);
+  void shutdown(const Status& reason);
+
+  const std::vector<Running>& running() const { return running_; }
+  std::vector<TransportInfo> describe() const;
+  // The lowest-ranked running transport that is not same-host only (tcp,
+  // fabric): the one that connects by host:port. Null when none runs.
+  Transport* network() const;
+  Transport* find(std::string_view name) const;
+
+  // The transport for one call to `peer` moving `route`, or NotSupported
+  // naming what is connected and why nothing can carry it.
+  Result<Transport*> choose(PeerId peer, MemoryRoute route) const;
+  bool connected(PeerId peer) const;
+
+  // Why `transport` is not connected to `peer` (a failed connect, another
+  // host, not offered); kept for peer_transports() and logged by the caller.
+  void note_unused(PeerId peer, std::string_view transport, std::string reason);
+  void clear_unused(PeerId peer, std::string_view transport);
+  std::vector<PeerTransportInfo> describe_peer(PeerId peer) const;
+
+ private:
+  const Running* pick(PeerId peer, MemoryRoute route) const;
+
+  std::vector<Running> running_;  // by rank; fixed after start()
+  std::vector<TransportInfo> unavailable_;
+  mutable std::mutex mu_;
+  std::map<PeerId, std::map<std::string, std::string, std::less<>>> unused_;  // under mu_
+};
+
+}  // namespace ferry
