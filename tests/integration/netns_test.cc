@@ -1,6 +1,9 @@
 // Cross-host test: two network namespaces joined by a veth pair, a target
 // ferry_test_peer in one and an initiating ferry_test_peer in the other, so
-// every byte crosses a real (virtual) link between two network stacks.
+// every byte crosses a real (virtual) link between two network stacks. The
+// namespaces share a kernel, so the engines stand for two hosts by giving
+// themselves different host ids (engine.host_id); without that they may
+// rightly take the same-host path, which the last test checks.
 //
 // Only link-local addresses (169.254.77.0/24) inside namespaces this test
 // creates are used; nothing is sent on the host's own interfaces. Skipped,
@@ -67,7 +70,8 @@ class NetnsPair {
           {"ip", "-n", ns_[i], "link", "set", "lo", "up"},
       };
       for (const auto& s : steps) {
-        if (Run(s, &out) != 0) return "setting up " + ns_[i] + " failed at '" + s[1] + " " + s[2] + "': " + out;
+        if (Run(s, &out) != 0)
+          return "setting up " + ns_[i] + " failed at '" + s[1] + " " + s[2] + "': " + out;
       }
     }
     return "";
@@ -97,15 +101,24 @@ class CrossNamespace : public ::testing::Test {
 
 TEST_F(CrossNamespace, WriteReadNotifyAcrossVeth) {
   constexpr uint64_t kSize = 64 << 20;
-  auto target = StartPeer({.size = kSize, .seed = 1, .listen = NetnsPair::Address(0) + ":0",
+  auto target = StartPeer({.size = kSize,
+                           .seed = 1,
+                           .listen = NetnsPair::Address(0) + ":0",
+                           .engine_options = {"engine.host_id=host-a"},
                            .wrapper = net_.Wrapper(0)});
-  auto initiator = StartPeer({.size = kSize, .seed = 2, .listen = NetnsPair::Address(1) + ":0",
+  auto initiator = StartPeer({.size = kSize,
+                              .seed = 2,
+                              .listen = NetnsPair::Address(1) + ":0",
+                              .engine_options = {"engine.host_id=host-b"},
                               .wrapper = net_.Wrapper(1)});
   ASSERT_TRUE(target && initiator);
   EXPECT_EQ(target->listen.rfind(NetnsPair::Address(0) + ":", 0), 0u) << target->listen;
 
   const std::string tid = Hex64(target->engine_id);
   ASSERT_EQ(initiator->Command("connect " + ToHex(target->metadata)), "OK " + tid);
+  // Two "hosts": tcp carries host memory, and the reason names the other host.
+  const std::string carriers = initiator->Command("carriers " + tid);
+  EXPECT_EQ(carriers.rfind("OK tcp", 0), 0u) << carriers;
   ASSERT_EQ(initiator->Command("connect_hp " + target->listen), "OK " + tid);
 
   const std::string rw = ToHex(target->rw.to_bytes());
@@ -116,7 +129,8 @@ TEST_F(CrossNamespace, WriteReadNotifyAcrossVeth) {
             "OK");
   EXPECT_EQ(target->Checksum(off, len), PatternHash(9, off, len));
   EXPECT_EQ(target->Checksum(0, off), PatternHash(1, 0, off));
-  EXPECT_EQ(target->Checksum(off + len, kSize - off - len), PatternHash(1, off + len, kSize - off - len));
+  EXPECT_EQ(target->Checksum(off + len, kSize - off - len),
+            PatternHash(1, off + len, kSize - off - len));
 
   // 32 MiB read of the untouched pattern.
   EXPECT_EQ(initiator->Command("read " + tid + " " + rw + " " + std::to_string(20 << 20) + " " +
@@ -125,7 +139,8 @@ TEST_F(CrossNamespace, WriteReadNotifyAcrossVeth) {
 
   // A refusal crosses too.
   RemoteDescriptor ro = target->ro;
-  const std::string reply = initiator->Command("write " + tid + " " + ToHex(ro.to_bytes()) + " 0 64 3");
+  const std::string reply =
+      initiator->Command("write " + tid + " " + ToHex(ro.to_bytes()) + " 0 64 3");
   EXPECT_EQ(reply.rfind("ERR PermissionDenied", 0), 0u) << reply;
 
   // Notification, with the sender named.
@@ -136,8 +151,9 @@ TEST_F(CrossNamespace, WriteReadNotifyAcrossVeth) {
   // And the other direction over the same link.
   const std::string iid = Hex64(initiator->engine_id);
   ASSERT_EQ(target->Command("connect " + ToHex(initiator->metadata)), "OK " + iid);
-  ASSERT_EQ(target->Command("write " + iid + " " + ToHex(initiator->rw.to_bytes()) + " 0 1000000 4"),
-            "OK");
+  ASSERT_EQ(
+      target->Command("write " + iid + " " + ToHex(initiator->rw.to_bytes()) + " 0 1000000 4"),
+      "OK");
   EXPECT_EQ(initiator->Checksum(0, 1000000), PatternHash(4, 0, 1000000));
 }
 
@@ -145,15 +161,48 @@ TEST_F(CrossNamespace, WildcardListenAdvertisesAReachableAddress) {
   // The target listens on 0.0.0.0: its metadata lists every address of its
   // namespace (127.0.0.1 among them, which in the other namespace reaches
   // nothing); connecting by metadata must find the veth address.
-  auto target = StartPeer({.size = 1 << 20, .seed = 1, .listen = "0.0.0.0:0",
+  auto target = StartPeer({.size = 1 << 20,
+                           .seed = 1,
+                           .listen = "0.0.0.0:0",
+                           .engine_options = {"engine.host_id=host-a"},
                            .wrapper = net_.Wrapper(0)});
-  auto initiator = StartPeer({.size = 1 << 20, .seed = 2, .listen = NetnsPair::Address(1) + ":0",
+  auto initiator = StartPeer({.size = 1 << 20,
+                              .seed = 2,
+                              .listen = NetnsPair::Address(1) + ":0",
+                              .engine_options = {"engine.host_id=host-b"},
                               .wrapper = net_.Wrapper(1)});
   ASSERT_TRUE(target && initiator);
   const std::string tid = Hex64(target->engine_id);
   ASSERT_EQ(initiator->Command("connect " + ToHex(target->metadata)), "OK " + tid);
   EXPECT_EQ(initiator->Command("read " + tid + " " + ToHex(target->rw.to_bytes()) + " 0 65536"),
             "OK " + Hex64(PatternHash(1, 0, 65536)));
+}
+
+TEST_F(CrossNamespace, OneKernelMayUseTheSameHostPath) {
+  // Same boot id, shared /tmp: the namespaces are one host to Ferry, and the
+  // shm transport (when it runs here) carries host memory between them.
+  auto target = StartPeer({.size = 1 << 20,
+                           .seed = 1,
+                           .listen = NetnsPair::Address(0) + ":0",
+                           .wrapper = net_.Wrapper(0)});
+  auto initiator = StartPeer({.size = 1 << 20,
+                              .seed = 2,
+                              .listen = NetnsPair::Address(1) + ":0",
+                              .wrapper = net_.Wrapper(1)});
+  ASSERT_TRUE(target && initiator);
+  const std::string tid = Hex64(target->engine_id);
+  ASSERT_EQ(initiator->Command("connect " + ToHex(target->metadata)), "OK " + tid);
+  const std::string carriers = initiator->Command("carriers " + tid);
+  ASSERT_EQ(carriers.rfind("OK ", 0), 0u) << carriers;
+  if (carriers.find(" shm=") == std::string::npos) {
+    GTEST_SKIP() << "the shm transport does not run here: " << carriers;
+  }
+  EXPECT_EQ(carriers.rfind("OK shm", 0), 0u) << carriers;
+  ASSERT_EQ(initiator->Command("write " + tid + " " + ToHex(target->rw.to_bytes()) + " 7 500000 5"),
+            "OK");
+  EXPECT_EQ(target->Checksum(7, 500000), PatternHash(5, 7, 500000));
+  EXPECT_EQ(initiator->Command("read " + tid + " " + ToHex(target->rw.to_bytes()) + " 600000 4096"),
+            "OK " + Hex64(PatternHash(1, 600000, 4096)));
 }
 
 }  // namespace

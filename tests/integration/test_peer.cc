@@ -24,6 +24,8 @@
 //                                  [OFF, OFF+LEN) hashes to HASH; finally
 //                                  OK received=N good=G bad=B [first bad: ...]
 //   connect METAHEX                OK <peer hex>  (this peer as initiator)
+//   carriers PEER                  OK <transport carrying host memory to PEER>
+//                                  then per transport NAME=up|down:<reason>
 //   connect_hp HOST:PORT           OK <peer hex>
 //   write PEER DESC OFF LEN SEED   fills its own buffer [OFF, +LEN) with pattern
 //                                  SEED and writes it to DESC at offset OFF; OK
@@ -31,10 +33,11 @@
 //                                  OFF; OK <hash of what arrived>
 //   notify PEER HEX                OK
 //   exit                           BYE, exit 0
-#include <sys/prctl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -73,7 +76,9 @@ std::string ErrLine(const Status& s) {
   std::exit(2);
 }
 
-uint64_t U64(const std::string& s, int base = 10) { return std::stoull(s, nullptr, base); }
+uint64_t U64(const std::string& s, int base = 10) {
+  return std::stoull(s, nullptr, base);
+}
 
 struct Peer {
   std::unique_ptr<Engine> engine;
@@ -120,8 +125,7 @@ struct Peer {
     }
     if (cmd == "notifications" && f.size() == 3) {
       const uint64_t want = U64(f[1]);
-      const auto deadline =
-          std::chrono::steady_clock::now() + std::chrono::milliseconds(U64(f[2]));
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(U64(f[2]));
       std::vector<Notification> got;
       for (;;) {
         for (auto& n : engine->take_notifications()) got.push_back(std::move(n));
@@ -165,6 +169,20 @@ struct Peer {
       Status s = engine->read(peer, {&l, 1}, {&r, 1});
       return s.ok() ? "OK " + Hex64(HashBytes(buf->data() + off, len)) : ErrLine(s);
     }
+    if (cmd == "carriers" && f.size() == 2) {
+      // Which transport carries host memory to the peer, and why the others
+      // do not: "OK shm tcp=<reason>" style, reasons with spaces turned to '_'.
+      auto routes = engine->peer_transports(U64(f[1], 16));
+      if (!routes.ok()) return ErrLine(routes.status());
+      std::string host = "none", rest;
+      for (const auto& t : *routes) {
+        if (t.carries.find("host") != std::string::npos) host = t.transport;
+        std::string why = t.reason;
+        std::replace(why.begin(), why.end(), ' ', '_');
+        rest += " " + t.transport + "=" + (t.connected ? "up" : "down") + ":" + why;
+      }
+      return "OK " + host + rest;
+    }
     if (cmd == "notify" && f.size() == 3) {
       auto payload = FromHex(f[2]);
       if (!payload) return "ERR InvalidArgument bad hex";
@@ -197,8 +215,9 @@ struct Peer {
           if (InRange(off, len)) {
             const uint64_t got = HashBytes(buf->data() + off, len);
             ok = got == want;
-            if (!ok) why = "range [" + parts[0] + ", +" + parts[1] + ") hashes to " + Hex64(got) +
-                           ", the notification says " + parts[2];
+            if (!ok)
+              why = "range [" + parts[0] + ", +" + parts[1] + ") hashes to " + Hex64(got) +
+                    ", the notification says " + parts[2];
           } else {
             why = "range outside the buffer: " + text;
           }
@@ -268,8 +287,8 @@ int main(int argc, char** argv) {
   const std::string wo = adv(0, UINT64_MAX, kAccessWrite);
   const std::string sub = adv(size / 4, size / 4, kAccessReadWrite);
   Reply("READY " + Hex64(peer.engine->id()) + " " + std::to_string(region->id) + " " +
-        peer.engine->listen_address() + " " + ToHex(peer.engine->metadata()) + " " + rw + " " +
-        ro + " " + wo + " " + sub);
+        peer.engine->listen_address() + " " + ToHex(peer.engine->metadata()) + " " + rw + " " + ro +
+        " " + wo + " " + sub);
 
   std::string line;
   while (std::getline(std::cin, line)) {
