@@ -1,0 +1,162 @@
+"""Ferry against NIXL and Mooncake on this host: two processes per measurement,
+host memory, one-sided WRITE and READ, DEPTH calls in flight. Engines alternate
+per workload and repetition (order rotated); the table shows medians.
+Started by run.sh (which sets up the venv); see bench/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+# name shown, driver engine, extra environment
+ENGINES = {
+    "Ferry": ("ferry", {}),
+    "Ferry tcp": ("ferry", {"FERRY_ENGINE_TRANSPORTS": "tcp"}),
+    "NIXL": ("nixl", {}),  # UCX picks (cross-memory attach on one host)
+    "NIXL tcp": ("nixl", {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}),
+    "Mooncake": ("mooncake", {}),  # tcp, P2PHANDSHAKE
+    "memcpy": ("memcpy", {}),  # one process: the same bytes copied by numpy
+}
+# Quiet logs for every engine (Mooncake logs each completed batch at INFO).
+QUIET = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "warn"}
+# name, block bytes, iovs per call
+WORKLOADS = [("4KiB x 64", 4096, 64), ("64KiB x 8", 65536, 8), ("1MiB x 8", 1 << 20, 8),
+             ("KV 298 x 1179648", 1179648, 298)]
+RATIOS = [("Ferry", "NIXL"), ("Ferry", "NIXL tcp"), ("Ferry", "Mooncake"), ("Ferry tcp", "NIXL tcp"),
+          ("Ferry", "memcpy")]
+
+
+def call_driver(name, args, extra, timeout):
+    kind, env = ENGINES[name]
+    env = {**os.environ, **QUIET, **env}
+    cmd = [sys.executable, str(HERE / "peer.py"), kind, *extra]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [], f"timed out after {timeout} s"
+    rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+    err = "" if p.returncode == 0 else \
+        f"exit {p.returncode}: " + " | ".join(p.stderr.strip().splitlines()[-3:])[-400:]
+    return rows, err
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("-r", "--reps", type=int, default=3)
+    ap.add_argument("--secs", type=float, default=2.0, help="timed seconds per engine, workload and op")
+    ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("-d", "--depth", type=int, default=4, help="calls in flight")
+    ap.add_argument("--quick", action="store_true", help="1 repetition, 0.5 s, 0.2 s warm-up")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of: " + ", ".join(ENGINES))
+    ap.add_argument("--json", nargs="?", const="auto", default=None,
+                    help="write results (default bench/results/peers-DATE-COMMIT.jsonl)")
+    a = ap.parse_args()
+    if a.quick:
+        a.reps, a.secs, a.warmup = 1, 0.5, 0.2
+    names = [n.strip() for n in a.engines.split(",")]
+    log = lambda *m: print("[peers]", *m, file=sys.stderr, flush=True)
+
+    # Which engines run here: each creates an engine on both sides and moves 4 KiB.
+    versions, not_run = {}, {}
+    for n in names:
+        rows, err = call_driver(n, a, ["--probe"], 120)
+        if rows and not err:
+            versions[n] = rows[0]
+            log(f"{n}: {rows[0]['version']}", f"transports {rows[0]['transports']}" if rows[0].get("transports") else "")
+        else:
+            not_run[n] = err or "no output"
+            log(f"{n}: NOT RUN ({not_run[n]})")
+    running = [n for n in names if n in versions]
+
+    runs, failures = [], []
+    timeout = 120 + 4 * (a.secs + a.warmup)
+    for rep in range(a.reps):
+        ops = ["write", "read"] if rep % 2 == 0 else ["read", "write"]
+        for wi, (wname, block, batch) in enumerate(WORKLOADS):
+            k = (rep + wi) % max(1, len(running))
+            for n in running[k:] + running[:k]:  # rotated: no engine always first or last
+                extra = ["--block", str(block), "--batch", str(batch), "--depth", str(a.depth),
+                         "--secs", str(a.secs), "--warmup", str(a.warmup), "--ops", ",".join(ops)]
+                rows, err = call_driver(n, a, extra, timeout)
+                for r in rows:
+                    r.update(kind="measure", engine=n, workload=wname, block_size=block, batch=batch,
+                             depth=a.depth, rep=rep)
+                    runs.append(r)
+                    if r["verify"] != "ok":
+                        failures.append(f"{n} {wname} {r['op']}: DATA CHECK {r['verify']}")
+                    log(f"rep {rep + 1}/{a.reps} {wname} {r['op']:5} {n:9} {r['gbps']:7.3f} GB/s  verify {r['verify']}")
+                if err:
+                    failures.append(f"{n} {wname}: {err}")
+                    log(f"rep {rep + 1}/{a.reps} {wname} {n}: FAILED {err}")
+
+    # --- medians and the table -----------------------------------------------------
+    med = {}
+    for wname, _, _ in WORKLOADS:
+        for op in ("write", "read"):
+            for n in running:
+                v = [r["gbps"] for r in runs if (r["engine"], r["workload"], r["op"]) == (n, wname, op)]
+                if v:
+                    med[wname, op, n] = statistics.median(v)
+    cols = [n for n in names if n in running]
+    hdr = ["workload", "op"] + cols + [f"{x}/{y}" for x, y in RATIOS]
+    table = []
+    for wname, _, _ in WORKLOADS:
+        for op in ("write", "read"):
+            row = [wname, op] + [f"{med[wname, op, n]:.2f}" if (wname, op, n) in med else "-" for n in cols]
+            for x, y in RATIOS:
+                vx, vy = med.get((wname, op, x)), med.get((wname, op, y))
+                row.append(f"{vx / vy:.2f}" if vx and vy else "-")
+            table.append(row)
+    w = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(hdr)]
+    fmt = lambda r: "  ".join(c.rjust(w[i]) if i >= 2 else c.ljust(w[i]) for i, c in enumerate(r))
+    print(f"\nGB/s (10^9 B/s of payload), medians of {a.reps}; 2 processes, host memory, "
+          f"{a.depth} calls in flight, {a.secs} s per run; memcpy: one process, same bytes")
+    print(fmt(hdr))
+    print("  ".join("-" * x for x in w))
+    for r in table:
+        print(fmt(r))
+    print("\nversions: " + "; ".join(f"{n}: {v['version']}" for n, v in versions.items()))
+    ferry_t = {n: v["transports"] for n, v in versions.items() if n.startswith("Ferry")}
+    if ferry_t:
+        print("Ferry transports: " + "; ".join(f"{n}: {t}" for n, t in ferry_t.items()))
+    for n, why in not_run.items():
+        print(f"NOT RUN {n}: {why}")
+    for f in failures:
+        print(f"FAILED {f}")
+    if not failures:
+        print("data checks: all ok (" + str(sum(1 for r in runs)) + " runs, one check each)")
+
+    if a.json:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True).stdout.strip() or "nogit"
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        path = Path(a.json) if a.json != "auto" else ROOT / "bench/results" / f"peers-{date}-{commit}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                        capture_output=True, text=True).stdout.strip())
+            f.write(json.dumps({"kind": "run", "date": date, "commit": commit, "dirty_tree": dirty,
+                                "reps": a.reps, "secs": a.secs, "warmup": a.warmup, "depth": a.depth,
+                                "nproc": os.cpu_count(), "kernel": platform.release(),
+                                "engines": {n: {"driver": ENGINES[n][0], "env": ENGINES[n][1]} for n in names},
+                                "versions": versions, "not_run": not_run, "failures": failures}) + "\n")
+            for r in runs:
+                f.write(json.dumps(r) + "\n")
+            for (wname, op, n), v in med.items():
+                f.write(json.dumps({"kind": "median", "workload": wname, "op": op, "engine": n, "gbps": v}) + "\n")
+        print(f"results: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
