@@ -168,7 +168,7 @@ class Engine::Impl {
     for (MemoryRoute route : {MemoryRoute::kHostOnly, MemoryRoute::kCuda}) {
       auto t = transports_.choose(peer, route);
       parts.push_back(fmt::format("{} over {}", memory_route_name(route),
-                                  t.ok() ? std::string((*t)->name()) : std::string("nothing")));
+                                  t.ok() ? std::string((*t)->name()) : std::string("no transport")));
     }
     return fmt::format("{}, {}", parts[0], parts[1]);
   }

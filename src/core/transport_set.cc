@@ -73,11 +73,15 @@ Status TransportSet::start(
     ctx.events = t.events.get();
     Status s = t.transport->start(ctx);
     if (!s.ok()) {
-      if (!automatic) {
+      // Under "auto" a transport that cannot work on this machine
+      // (NotSupported) is left out and reported; a bad setting (a listen
+      // address in use, say) is the caller's error either way.
+      if (!automatic || s.code() != StatusCode::kNotSupported) {
         shutdown(err::Cancelled("engine start failed"));
-        return Status(s.code(), fmt::format("transport {} (named by engine.transports) cannot "
-                                            "start: {}",
-                                            r->name, s.message()));
+        return Status(s.code(), automatic ? s.message()
+                                          : fmt::format("transport {} (named by "
+                                                        "engine.transports) cannot start: {}",
+                                                        r->name, s.message()));
       }
       spdlog::info("ferry: transport {} not running here: {}", r->name, s.message());
       unavailable_.push_back({r->name, false, false, s.message()});

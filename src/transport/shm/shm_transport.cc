@@ -1,0 +1,1233 @@
+// shm transport: lifecycle, connections and handshake, the I/O thread, the
+// copy workers (target side) and request bookkeeping (initiator side).
+#include "transport/shm/shm_transport.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sodium.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <unordered_set>
+
+#include "core/thread_name.h"
+#include "fmt/format.h"
+#include "spdlog/spdlog.h"
+
+namespace ferry::shm {
+
+const OptionSpec kShmOptionSpecs[] = {
+    {"shm.socket_dir", OptionType::kString, "/tmp",
+     "directory of the control socket ferry-<engine id>-<pid>.sock; peers must see the same "
+     "directory (one mount namespace or a shared mount)"},
+    {"shm.connect_timeout_ms", OptionType::kDurationMs, "5000",
+     "time allowed for connecting and the handshake (both cross-memory attach probes)", 1, 600000},
+    {"shm.allow_ptrace", OptionType::kBool, "true",
+     "under Yama ptrace_scope 1, call prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) so same-user "
+     "sibling processes may copy to and from this one (cross-memory attach follows ptrace "
+     "rules)"},
+    {"shm.max_request_segments", OptionType::kUint, "1024",
+     "most segments in one request: one process_vm_* call (IOV_MAX is 1024)", 1,
+     kMaxRequestSegments},
+    {"shm.max_request_bytes", OptionType::kBytes, "4MiB",
+     "most bytes in one request: larger segments are cut so that several copy threads of the "
+     "target share one transfer",
+     4096, 1ull << 30},
+    {"shm.copy_threads", OptionType::kUint, "0",
+     "threads that check and copy the requests of peers (0: one per CPU, at most 4)", 0, 64},
+    {"shm.cancel_timeout_ms", OptionType::kDurationMs, "250",
+     "cancel() waits this long for the peer to answer requests already sent (the peer does the "
+     "copy); then the connection is shut down",
+     1, 3600000},
+    {"shm.send_timeout_ms", OptionType::kDurationMs, "10000",
+     "a peer that does not drain its control socket for this long is declared dead", 100, 3600000},
+};
+const size_t kShmOptionSpecCount = std::size(kShmOptionSpecs);
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kWakeTag = 0;
+constexpr uint64_t kListenTag = 1;
+constexpr size_t kRxInitialBytes = 256 << 10;
+constexpr auto kHandshakeCheck = std::chrono::milliseconds(100);
+
+std::string hex_id(uint64_t id) {
+  return fmt::format("{:016x}", id);
+}
+
+int ms_left(Clock::time_point deadline) {
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<int64_t>(left, 0, INT_MAX));
+}
+
+// Waits until `fd` is ready for `events` or the deadline passes.
+Status wait_ready(int fd, short events, Clock::time_point deadline, const char* what) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    const int r = poll(&p, 1, ms_left(deadline));
+    if (r > 0) return Status::Ok();
+    if (r == 0) return err::Timeout(fmt::format("{} timed out", what));
+    if (errno != EINTR) return err::Internal(fmt::format("poll: {}", errno_text(errno)));
+  }
+}
+
+// Sends all of `data` on a non-blocking socket before `deadline`.
+Status send_all(int fd, ByteView data, Clock::time_point deadline) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n =
+        ::send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (Status s = wait_ready(fd, POLLOUT, deadline, "send"); !s.ok()) return s;
+      continue;
+    }
+    return err::PeerDisconnected(fmt::format("send failed: {}", errno_text(errno)));
+  }
+  return Status::Ok();
+}
+
+// Receives exactly `n` bytes on a non-blocking socket before `deadline`.
+Status recv_exact(int fd, uint8_t* out, size_t n, Clock::time_point deadline) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::recv(fd, out + done, n - done, MSG_DONTWAIT);
+    if (r > 0) {
+      done += static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0) return err::PeerDisconnected("the peer closed the connection");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (Status s = wait_ready(fd, POLLIN, deadline, "receive"); !s.ok()) return s;
+      continue;
+    }
+    return err::PeerDisconnected(fmt::format("receive failed: {}", errno_text(errno)));
+  }
+  return Status::Ok();
+}
+
+// A handshake frame on a fresh socket: its buffer is empty, so the frame fits
+// at once; the I/O thread never waits for a peer.
+Status send_now(int fd, const Bytes& frame) {
+  const ssize_t n = ::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (n == static_cast<ssize_t>(frame.size())) return Status::Ok();
+  if (n < 0) return err::PeerDisconnected(fmt::format("send failed: {}", errno_text(errno)));
+  return err::Internal(
+      fmt::format("handshake frame of {} bytes did not fit the socket ({} sent)", frame.size(), n));
+}
+
+// The peer's pid as this process's pid namespace sees it (the kernel
+// translates it); never a pid the peer claims.
+Result<pid_t> peer_pid(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return err::Internal(fmt::format("shm: SO_PEERCRED failed: {}", errno_text(errno)));
+  }
+  if (cred.pid <= 0) {
+    return err::NotSupported(
+        "shm: the peer's pid is not visible from this process's pid namespace; cross-memory "
+        "attach needs it");
+  }
+  return cred.pid;
+}
+
+Result<sockaddr_un> unix_address(const std::string& path) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  if (path.size() >= sizeof a.sun_path) {
+    return err::InvalidArgument(
+        fmt::format("shm: socket path {} is {} bytes, longer than the {} a Unix socket allows; "
+                    "choose a shorter shm.socket_dir",
+                    path, path.size(), sizeof a.sun_path - 1));
+  }
+  std::memcpy(a.sun_path, path.data(), path.size());
+  return a;
+}
+
+uint64_t random_probe_value() {
+  uint64_t v = 0;
+  while (v == 0) randombytes_buf(&v, sizeof v);
+  return v;
+}
+
+// Calls piece(segment index, offset in it, length) for each piece of the
+// requests `segments` are cut into, and close() after each request: at most
+// `max_segments` pieces and `max_bytes` bytes per request, large segments cut
+// into pieces of the bytes left in the request.
+template <typename Piece, typename Close>
+void cut_requests(const std::vector<Segment>& segments, uint32_t max_segments, uint64_t max_bytes,
+                  Piece&& piece, Close&& close) {
+  uint32_t pieces = 0;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const uint64_t length = segments[i].length;
+    uint64_t done = 0;
+    while (done < length) {
+      const uint64_t take = std::min(length - done, max_bytes - bytes);
+      piece(i, done, take);
+      done += take;
+      bytes += take;
+      if (++pieces == max_segments || bytes == max_bytes) {
+        close();
+        pieces = 0;
+        bytes = 0;
+      }
+    }
+  }
+  if (pieces > 0) close();
+}
+
+}  // namespace
+
+Connection::~Connection() {
+  if (fd >= 0) ::close(fd);
+  if (pidfd >= 0) ::close(pidfd);
+}
+
+// ------------------------------------------------------------- lifecycle ---
+
+ShmTransport::~ShmTransport() {
+  shutdown(err::Cancelled("engine destroyed"));
+}
+
+TransportCaps ShmTransport::capabilities() const {
+  TransportCaps caps;
+  caps.host_memory = true;
+  caps.cuda_memory = false;
+  caps.same_host_only = true;
+  return caps;
+}
+
+Status ShmTransport::read_options() {
+  const OptionSet& o = *ctx_.options;
+  opt_.socket_dir = o.get_string("shm.socket_dir");
+  while (opt_.socket_dir.size() > 1 && opt_.socket_dir.back() == '/') opt_.socket_dir.pop_back();
+  if (opt_.socket_dir.empty() || opt_.socket_dir.front() != '/') {
+    return err::InvalidArgument(fmt::format(
+        "option shm.socket_dir: '{}' is not an absolute directory path", opt_.socket_dir));
+  }
+  opt_.connect_timeout = std::chrono::milliseconds(o.get_uint("shm.connect_timeout_ms"));
+  opt_.allow_ptrace = o.get_bool("shm.allow_ptrace");
+  opt_.max_request_segments = static_cast<uint32_t>(o.get_uint("shm.max_request_segments"));
+  opt_.max_request_bytes = o.get_uint("shm.max_request_bytes");
+  opt_.copy_threads = static_cast<uint32_t>(o.get_uint("shm.copy_threads"));
+  if (opt_.copy_threads == 0) {
+    opt_.copy_threads = std::clamp(std::thread::hardware_concurrency(), 1u, 4u);
+  }
+  opt_.cancel_timeout = std::chrono::milliseconds(o.get_uint("shm.cancel_timeout_ms"));
+  opt_.send_timeout = std::chrono::milliseconds(o.get_uint("shm.send_timeout_ms"));
+  return Status::Ok();
+}
+
+Status ShmTransport::start(const TransportContext& context) {
+  ctx_ = context;
+  if (Status s = read_options(); !s.ok()) return s;
+  // Thread names tell engines of one process apart, as tcp's do.
+  static std::atomic<int> engines_started{0};
+  thread_prefix_ = fmt::format("ferry{}", engines_started.fetch_add(1));
+
+  if (Status s = check_self(); !s.ok()) return s;
+  const int scope = yama_ptrace_scope();
+  if (scope == 1 && opt_.allow_ptrace) {
+    if (Status s = allow_any_ptracer(); s.ok()) {
+      spdlog::info(
+          "ferry shm: Yama ptrace_scope is 1; allowed same-user processes to attach to this one "
+          "(PR_SET_PTRACER_ANY) so that sibling engines can copy to and from it "
+          "(shm.allow_ptrace=false turns this off)");
+    } else {
+      spdlog::warn("ferry shm: {}; peers that are not ancestors of this process will be refused",
+                   s.message());
+    }
+  } else if (scope == 1) {
+    spdlog::info(
+        "ferry shm: Yama ptrace_scope is 1 and shm.allow_ptrace is off: only ancestor processes "
+        "may attach to this one; other peers use another transport");
+  } else if (scope >= 2) {
+    spdlog::warn(
+        "ferry shm: Yama ptrace_scope is {}: the kernel refuses cross-memory attach between "
+        "ordinary processes, so shm connections will fail their probe",
+        scope);
+  }
+  if (Status s = open_listener(); !s.ok()) return s;
+
+  epfd_ = epoll_create1(EPOLL_CLOEXEC);
+  wakefd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (epfd_ < 0 || wakefd_ < 0) {
+    return err::Internal(fmt::format("shm: epoll/eventfd: {}", errno_text(errno)));
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kWakeTag;
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &ev);
+  ev.data.u64 = kListenTag;
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, listen_fd_, &ev);
+
+  for (uint32_t i = 0; i < opt_.copy_threads; ++i) {
+    workers_.emplace_back([this, i] { worker_loop(static_cast<int>(i)); });
+  }
+  io_thread_ = std::thread([this] { io_loop(); });
+  {
+    std::lock_guard lock(mu_);
+    started_ = true;
+  }
+  spdlog::debug("ferry shm: engine {} listening on {} ({} copy threads)", hex_id(ctx_.engine_id),
+                socket_path_, opt_.copy_threads);
+  return Status::Ok();
+}
+
+Status ShmTransport::open_listener() {
+  const std::string path =
+      fmt::format("{}/ferry-{}-{}.sock", opt_.socket_dir == "/" ? "" : opt_.socket_dir,
+                  hex_id(ctx_.engine_id), getpid());
+  if (path.size() > kMaxSocketPath) {
+    return err::InvalidArgument(
+        fmt::format("shm: socket path {} is {} bytes, longer than the {} a Unix socket allows; "
+                    "choose a shorter shm.socket_dir",
+                    path, path.size(), kMaxSocketPath));
+  }
+  auto address = unix_address(path);
+  if (!address.ok()) return address.status();
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return err::Internal(fmt::format("shm: socket(AF_UNIX): {}", errno_text(errno)));
+  // The name holds our engine id and pid: a file there is a leftover.
+  ::unlink(path.c_str());
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&*address), sizeof(sockaddr_un)) != 0 ||
+      ::listen(fd, 128) != 0) {
+    const int e = errno;
+    ::close(fd);
+    // Not a bad setting but this machine (a read-only or missing directory):
+    // the engine runs without shm and reports why.
+    return err::NotSupported(
+        fmt::format("shm: cannot listen on {}: {} (shm.socket_dir)", path, errno_text(e)));
+  }
+  listen_fd_ = fd;
+  socket_path_ = path;
+  return Status::Ok();
+}
+
+void ShmTransport::shutdown(const Status& reason) {
+  {
+    std::lock_guard lock(mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  if (io_thread_.joinable()) {
+    io_stop_.store(true);
+    uint64_t one = 1;
+    [[maybe_unused]] auto r = ::write(wakefd_, &one, sizeof one);
+    io_thread_.join();
+  }
+  std::vector<std::shared_ptr<Connection>> all;
+  {
+    std::lock_guard lock(io_mu_);
+    for (auto& [raw, c] : watched_) all.push_back(c);
+    watched_.clear();
+  }
+  {
+    std::lock_guard lock(mu_);
+    all.insert(all.end(), open_.begin(), open_.end());
+  }
+  // Shutting the sockets down also wakes copy workers blocked in a send.
+  for (auto& c : all) fail_connection(*c, reason, /*verbatim=*/true);
+  {
+    std::lock_guard lock(task_mu_);
+    workers_stop_ = true;
+  }
+  task_cv_.notify_all();
+  for (auto& w : workers_) w.join();
+  workers_.clear();
+  std::deque<Task> left;
+  {
+    std::lock_guard lock(task_mu_);
+    left.swap(tasks_);
+  }
+  for (auto& task : left) {
+    if (task.notify_for) fail_transfer(*task.notify_for, reason);
+  }
+  {
+    std::lock_guard lock(mu_);
+    primary_.clear();
+    open_.clear();
+  }
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    ::unlink(socket_path_.c_str());
+    listen_fd_ = -1;
+  }
+  if (epfd_ >= 0) ::close(epfd_);
+  if (wakefd_ >= 0) ::close(wakefd_);
+  epfd_ = wakefd_ = -1;
+}
+
+Bytes ShmTransport::local_address() const {
+  return encode_address({socket_path_, static_cast<uint32_t>(getpid())});
+}
+
+bool ShmTransport::is_connected(PeerId peer) const {
+  std::lock_guard lock(mu_);
+  auto it = primary_.find(peer);
+  return it != primary_.end() && !it->second->dead.load();
+}
+
+std::string ShmTransport::peer_address(PeerId peer) const {
+  std::lock_guard lock(mu_);
+  auto it = primary_.find(peer);
+  if (it == primary_.end() || it->second->dead.load()) return {};
+  return fmt::format("pid {} via {}", it->second->pid, it->second->via);
+}
+
+std::string ShmTransport::describe(const Connection& c) const {
+  if (c.peer == 0) return fmt::format("connection from pid {}", c.pid);
+  return fmt::format("peer {} (pid {})", hex_id(c.peer), c.pid);
+}
+
+// --------------------------------------------------------------- connect ---
+
+Result<PeerId> ShmTransport::connect(ByteView peer_address, PeerId expected_peer) {
+  auto address = decode_address(peer_address);
+  if (!address.ok()) return address.status();
+  std::lock_guard serial(connect_mu_);
+  if (expected_peer != 0 && is_connected(expected_peer)) return expected_peer;
+  {
+    std::lock_guard lock(mu_);
+    if (!started_ || stopped_) return err::Cancelled("shm: the transport is not running");
+  }
+  auto c = std::make_shared<Connection>();
+  c->outgoing = true;
+  c->via = address->socket_path;
+  c->probe_value = random_probe_value();
+  const Status s = handshake_out(*c, *address, expected_peer, Clock::now() + opt_.connect_timeout);
+  if (!s.ok()) {
+    spdlog::info("ferry shm: connecting to {} (pid {}) failed: {}", address->socket_path,
+                 address->pid, s.message());
+    return s;
+  }
+  if (Status e = establish(c); !e.ok()) return e;
+  return c->peer;
+}
+
+Status ShmTransport::handshake_out(Connection& c, const ShmAddress& address, PeerId expected_peer,
+                                   Clock::time_point deadline) {
+  // The pid in the address is the peer's claim, used in messages only.
+  const std::string where = fmt::format("{} (pid {})", address.socket_path, address.pid);
+  auto sa = unix_address(address.socket_path);
+  if (!sa.ok()) return sa.status();
+  c.fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (c.fd < 0) return err::Internal(fmt::format("shm: socket(AF_UNIX): {}", errno_text(errno)));
+  // A blocking connect waits only while the listener's backlog is full;
+  // SO_SNDTIMEO bounds that wait.
+  const int ms = std::max(1, ms_left(deadline));
+  timeval tv{ms / 1000, (ms % 1000) * 1000};
+  setsockopt(c.fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  if (::connect(c.fd, reinterpret_cast<const sockaddr*>(&*sa), sizeof(sockaddr_un)) != 0) {
+    const int e = errno;
+    switch (e) {
+      case ENOENT:
+      case ECONNREFUSED:
+        return err::PeerDisconnected(fmt::format(
+            "shm: cannot connect to {}: {}: no engine listens there (it exited, or it runs in "
+            "another mount namespace or with another shm.socket_dir)",
+            where, errno_text(e)));
+      case EAGAIN:
+      case EINPROGRESS:
+      case ETIMEDOUT:
+        return err::Timeout(
+            fmt::format("shm: connecting to {} timed out after {} ms (shm.connect_timeout_ms): {}",
+                        where, opt_.connect_timeout.count(), errno_text(e)));
+      case EACCES:
+      case EPERM:
+        return err::PermissionDenied(fmt::format(
+            "shm: cannot connect to {}: {} (permissions of the socket or its directory)", where,
+            errno_text(e)));
+      default:
+        return err::Internal(fmt::format("shm: cannot connect to {}: {}", where, errno_text(e)));
+    }
+  }
+  const int flags = fcntl(c.fd, F_GETFL, 0);
+  if (flags < 0 || fcntl(c.fd, F_SETFL, flags | O_NONBLOCK) != 0) {
+    return err::Internal(fmt::format("shm: fcntl(O_NONBLOCK): {}", errno_text(errno)));
+  }
+  auto lost = [&](const Status& s) {
+    return Status(
+        s.code() == StatusCode::kTimeout ? StatusCode::kTimeout : StatusCode::kPeerDisconnected,
+        fmt::format("shm: handshake with {} failed: {} (shm.connect_timeout_ms is {} ms)", where,
+                    s.message(), opt_.connect_timeout.count()));
+  };
+
+  Hello hello;
+  hello.engine_id = ctx_.engine_id;
+  hello.expected_engine_id = expected_peer;
+  hello.probe_address = reinterpret_cast<uint64_t>(&c.probe_value);
+  hello.probe_value = c.probe_value;
+  if (Status s = send_all(c.fd, encode_hello(hello), deadline); !s.ok()) return lost(s);
+
+  uint8_t head[kFrameHeaderBytes];
+  if (Status s = recv_exact(c.fd, head, sizeof head, deadline); !s.ok()) return lost(s);
+  auto h = decode_header(ByteView(head, sizeof head));
+  if (!h.ok()) {
+    return err::ProtocolError(
+        fmt::format("shm: {} is not a Ferry shm engine: {}", where, h.status().message()));
+  }
+  if (h->op != Op::kHelloAck) {
+    return err::ProtocolError(
+        fmt::format("shm: {} answered the handshake with {}", where, op_name(h->op)));
+  }
+  if (h->version != kWireVersion) {
+    return err::ProtocolError(
+        fmt::format("shm: wire version mismatch with {}: peer speaks {}, this engine speaks {}",
+                    where, h->version, kWireVersion));
+  }
+  Bytes body(h->body_bytes);
+  if (Status s = recv_exact(c.fd, body.data(), body.size(), deadline); !s.ok()) return lost(s);
+  auto ack = decode_hello_ack(body);
+  if (!ack.status().ok()) {
+    return err::ProtocolError(fmt::format("shm: {}: {}", where, ack.status().message()));
+  }
+  if (!ack->status.ok()) {
+    return Status(ack->status.code(),
+                  fmt::format("shm: {} refused the connection: {}", where, ack->status.message()));
+  }
+  auto refuse = [&](const Status& why) {
+    (void)send_all(c.fd, encode_hello_done(why),
+                   std::min(deadline, Clock::now() + kHandshakeCheck));
+    return why;
+  };
+  if (expected_peer != 0 && ack->engine_id != expected_peer) {
+    return refuse(
+        err::InvalidArgument(fmt::format("shm: {} is engine {}, but the metadata names engine {}",
+                                         where, hex_id(ack->engine_id), hex_id(expected_peer))));
+  }
+  auto pid = peer_pid(c.fd);
+  if (!pid.ok()) return refuse(pid.status());
+  c.pid = *pid;
+  c.peer = ack->engine_id;
+  // The pidfd is taken before the probe: a probe that succeeds proves the
+  // process behind it is the one the probe read.
+  c.pidfd = open_pidfd(c.pid);
+  if (Status s = probe(c.pid, ack->probe_address, ack->probe_value); !s.ok()) return refuse(s);
+  if (Status s = send_all(c.fd, encode_hello_done(Status::Ok()), deadline); !s.ok()) {
+    return lost(s);
+  }
+  c.state = Connection::State::kOpen;
+  return Status::Ok();
+}
+
+Status ShmTransport::establish(const std::shared_ptr<Connection>& c) {
+  {
+    std::lock_guard lock(mu_);
+    // Under mu_, so that shutdown() (which sets stopped_ under mu_) either
+    // finds this connection in open_ or we find stopped_ set.
+    if (stopped_) return err::Cancelled("shm: the transport is shutting down");
+    {
+      std::lock_guard g(c->mu);
+      c->established = true;
+    }
+    open_.push_back(c);
+    auto& slot = primary_[c->peer];
+    if (!slot || slot->dead.load()) slot = c;
+    lost_.erase(c->peer);
+    if (c->outgoing) watch(c);  // accepted ones are watched since accept
+  }
+  ctx_.events->on_peer_up(c->peer);
+  spdlog::debug("ferry shm: {} engine {} (pid {}) via {}",
+                c->outgoing ? "connected to" : "accepted", hex_id(c->peer), c->pid, c->via);
+  return Status::Ok();
+}
+
+void ShmTransport::watch(const std::shared_ptr<Connection>& c) {
+  {
+    std::lock_guard lock(io_mu_);
+    watched_[c.get()] = c;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = reinterpret_cast<uint64_t>(c.get());
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd, &ev);
+}
+
+// ------------------------------------------------------------- I/O thread ---
+
+void ShmTransport::io_loop() {
+  name_this_thread(thread_prefix_ + "-shm-io");
+  epoll_event events[64];
+  std::vector<std::shared_ptr<Connection>> closed;
+  auto next_check = Clock::time_point{};
+  while (!io_stop_.load(std::memory_order_relaxed)) {
+    int timeout_ms = -1;
+    if (handshaking_ > 0) timeout_ms = ms_left(next_check);
+    const int n = epoll_wait(epfd_, events, 64, timeout_ms);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("ferry shm: epoll_wait failed: {}", errno_text(errno));
+      return;
+    }
+    for (int i = 0; i < n; ++i) {
+      const uint64_t tag = events[i].data.u64;
+      if (tag == kWakeTag) {
+        uint64_t v;
+        [[maybe_unused]] auto r = ::read(wakefd_, &v, sizeof v);
+        continue;
+      }
+      if (tag == kListenTag) {
+        on_accept();
+        continue;
+      }
+      auto* c = reinterpret_cast<Connection*>(tag);
+      if (!c->dead.load()) on_readable(*c);
+      if (c->dead.load()) {
+        // Out of the epoll set now; freed only after this batch.
+        epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
+        closed.push_back(c->shared_from_this());
+      }
+    }
+    if (handshaking_ > 0 && Clock::now() >= next_check) {
+      next_check = Clock::now() + kHandshakeCheck;
+      expire_handshakes();
+    }
+    if (!closed.empty()) {
+      std::lock_guard lock(io_mu_);
+      for (auto& c : closed) watched_.erase(c.get());
+    }
+    closed.clear();
+  }
+}
+
+void ShmTransport::on_accept() {
+  for (;;) {
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        spdlog::warn("ferry shm: accept on {} failed: {}", socket_path_, errno_text(errno));
+      }
+      return;
+    }
+    auto c = std::make_shared<Connection>();
+    c->fd = fd;
+    c->via = socket_path_;
+    c->state = Connection::State::kAwaitHello;
+    c->handshake_deadline = Clock::now() + opt_.connect_timeout;
+    c->probe_value = random_probe_value();
+    if (auto pid = peer_pid(fd); pid.ok()) c->pid = *pid;
+    watch(c);
+    ++handshaking_;
+  }
+}
+
+void ShmTransport::expire_handshakes() {
+  const auto now = Clock::now();
+  std::vector<std::shared_ptr<Connection>> expired;
+  int waiting = 0;
+  {
+    std::lock_guard lock(io_mu_);
+    for (auto& [raw, c] : watched_) {
+      if (c->dead.load() || c->state == Connection::State::kOpen) continue;
+      if (now >= c->handshake_deadline) {
+        expired.push_back(c);
+      } else {
+        ++waiting;
+      }
+    }
+  }
+  handshaking_ = waiting;
+  for (auto& c : expired) {
+    spdlog::warn(
+        "ferry shm: closing {}: no complete handshake within {} ms (shm.connect_timeout_ms)",
+        describe(*c), opt_.connect_timeout.count());
+    fail_connection(*c, err::Timeout("handshake timed out"));
+  }
+}
+
+void ShmTransport::on_readable(Connection& c) {
+  if (c.rx.empty()) c.rx.resize(kRxInitialBytes);
+  // A bounded number of reads per wake-up keeps one busy peer from starving
+  // the others.
+  for (int round = 0; round < 16; ++round) {
+    if (c.rx_len == c.rx.size()) c.rx.resize(c.rx.size() * 2);
+    const size_t space = c.rx.size() - c.rx_len;
+    const ssize_t n = ::recv(c.fd, c.rx.data() + c.rx_len, space, MSG_DONTWAIT);
+    if (n == 0) {
+      fail_connection(c, err::PeerDisconnected("the peer closed it (its process exited?)"));
+      return;
+    }
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      if (errno == EINTR) continue;
+      fail_connection(c,
+                      err::PeerDisconnected(fmt::format("receive failed: {}", errno_text(errno))));
+      return;
+    }
+    c.rx_len += static_cast<size_t>(n);
+    if (Status s = parse_frames(c); !s.ok()) {
+      spdlog::warn("ferry shm: closing {}: {}", describe(c), s.message());
+      fail_connection(c, s);
+      return;
+    }
+    if (c.dead.load() || static_cast<size_t>(n) < space) return;
+  }
+}
+
+Status ShmTransport::parse_frames(Connection& c) {
+  size_t pos = 0;
+  Status result;
+  while (c.rx_len - pos >= kFrameHeaderBytes) {
+    auto h = decode_header(ByteView(c.rx.data() + pos, kFrameHeaderBytes));
+    if (!h.ok()) return h.status();
+    const size_t need = kFrameHeaderBytes + h->body_bytes;
+    if (c.rx_len - pos < need) break;
+    result = on_frame(c, *h, ByteView(c.rx.data() + pos + kFrameHeaderBytes, h->body_bytes));
+    pos += need;
+    if (!result.ok()) return result;
+    if (c.dead.load()) return Status::Ok();
+  }
+  if (pos > 0) {
+    std::memmove(c.rx.data(), c.rx.data() + pos, c.rx_len - pos);
+    c.rx_len -= pos;
+  }
+  // Room for the whole frame in progress (its header was checked above).
+  if (c.rx_len >= kFrameHeaderBytes) {
+    auto h = decode_header(ByteView(c.rx.data(), kFrameHeaderBytes));
+    const size_t need = kFrameHeaderBytes + h->body_bytes;
+    if (need > c.rx.size()) c.rx.resize(need);
+  }
+  return Status::Ok();
+}
+
+Status ShmTransport::on_frame(Connection& c, const FrameHeader& h, ByteView body) {
+  switch (c.state) {
+    case Connection::State::kAwaitHello:
+      if (h.op != Op::kHello) {
+        return err::ProtocolError(fmt::format("expected HELLO, got {}", op_name(h.op)));
+      }
+      return on_hello(c, h, body);
+    case Connection::State::kAwaitHelloDone:
+      if (h.op != Op::kHelloDone) {
+        return err::ProtocolError(fmt::format("expected HELLO_DONE, got {}", op_name(h.op)));
+      }
+      return on_hello_done(c, body);
+    case Connection::State::kOpen:
+      break;
+  }
+  if (is_request(h.op)) {
+    auto request = decode_request(h, body);
+    if (!request.ok()) return request.status();
+    submit(Task{c.shared_from_this(), std::move(request.value()), nullptr});
+    return Status::Ok();
+  }
+  if (h.op == Op::kResponse) return on_response(c, body);
+  if (h.op == Op::kCancel) return on_cancel(c, body);
+  return err::ProtocolError(fmt::format("unexpected {} after the handshake", op_name(h.op)));
+}
+
+Status ShmTransport::on_hello(Connection& c, const FrameHeader& h, ByteView body) {
+  // A refusal is explained to the connecting engine, then the connection closes.
+  auto refuse = [&](const Status& why) {
+    HelloAck ack;
+    ack.status = why;
+    ack.engine_id = ctx_.engine_id;
+    (void)send_now(c.fd, encode_hello_ack(ack));
+    return why;
+  };
+  if (h.version != kWireVersion) {
+    return refuse(err::ProtocolError(
+        fmt::format("shm wire version mismatch: the connecting engine speaks {}, this engine "
+                    "speaks {}",
+                    h.version, kWireVersion)));
+  }
+  auto hello = decode_hello(body);
+  if (!hello.ok()) return refuse(hello.status());
+  auto pid = peer_pid(c.fd);
+  if (!pid.ok()) return refuse(pid.status());
+  c.pid = *pid;
+  c.peer = hello->engine_id;
+  if (hello->expected_engine_id != 0 && hello->expected_engine_id != ctx_.engine_id) {
+    return refuse(err::InvalidArgument(
+        fmt::format("shm: {} belongs to engine {}, but engine {} (pid {}) expected engine {} there",
+                    socket_path_, hex_id(ctx_.engine_id), hex_id(c.peer), c.pid,
+                    hex_id(hello->expected_engine_id))));
+  }
+  c.pidfd = open_pidfd(c.pid);
+  if (Status s = probe(c.pid, hello->probe_address, hello->probe_value); !s.ok()) {
+    return refuse(s);
+  }
+  HelloAck ack;
+  ack.engine_id = ctx_.engine_id;
+  ack.probe_address = reinterpret_cast<uint64_t>(&c.probe_value);
+  ack.probe_value = c.probe_value;
+  if (Status s = send_now(c.fd, encode_hello_ack(ack)); !s.ok()) return s;
+  c.state = Connection::State::kAwaitHelloDone;
+  return Status::Ok();
+}
+
+Status ShmTransport::on_hello_done(Connection& c, ByteView body) {
+  Status done;
+  if (Status s = decode_hello_done(body, &done); !s.ok()) return s;
+  if (!done.ok()) {
+    return Status(done.code(), fmt::format("engine {} (pid {}) cannot use this connection: {}",
+                                           hex_id(c.peer), c.pid, done.message()));
+  }
+  c.state = Connection::State::kOpen;
+  return establish(c.shared_from_this());
+}
+
+Status ShmTransport::on_response(Connection& c, ByteView body) {
+  auto response = decode_response(body);
+  if (!response.ok()) return response.status();
+  std::shared_ptr<Transfer> t;
+  {
+    std::lock_guard lock(c.mu);
+    auto it = c.pending.find(response->id);
+    if (it == c.pending.end()) {
+      return err::ProtocolError(
+          fmt::format("RESPONSE for request {}, which is not in flight", response->id));
+    }
+    t = std::move(it->second);
+    c.pending.erase(it);
+    auto f = c.in_flight.find(t.get());
+    if (f != c.in_flight.end() && --f->second == 0) {
+      c.in_flight.erase(f);
+      c.idle_cv.notify_all();  // cancel() may wait for this transfer
+    }
+  }
+  if (!response->status.ok()) {
+    // The target's message names the region and offset; add who said it.
+    t->note_error(Status(response->status.code(),
+                         fmt::format("{} (from {})", response->status.message(), describe(c))));
+  }
+  if (t->outstanding.fetch_sub(1) == 1) finish(c.shared_from_this(), t);
+  return Status::Ok();
+}
+
+// ------------------------------------------------------ target: copy work ---
+
+void ShmTransport::submit(Task task) {
+  {
+    std::lock_guard lock(task_mu_);
+    tasks_.push_back(std::move(task));
+  }
+  task_cv_.notify_one();
+}
+
+void ShmTransport::worker_loop(int index) {
+  name_this_thread(fmt::format("{}-shm-cp-{}", thread_prefix_, index));
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock lock(task_mu_);
+      task_cv_.wait(lock, [&] { return workers_stop_ || !tasks_.empty(); });
+      if (workers_stop_) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    if (task.notify_for) {
+      send_write_notification(task.conn, task.notify_for);
+    } else {
+      serve(*task.conn, task.request);
+    }
+  }
+}
+
+Status ShmTransport::validate(const Connection& c, const Request& request,
+                              std::vector<RegionPin>* pins, std::vector<CopyPiece>* pieces) const {
+  const uint8_t wanted = request.op == Op::kWriteReq ? kAccessWrite : kAccessRead;
+  pieces->reserve(request.segments.size());
+  for (size_t i = 0; i < request.segments.size(); ++i) {
+    const WireSegment& seg = request.segments[i];
+    RegionPin pin;
+    auto local = ctx_.registry->check_remote(seg.remote, wanted, &pin);
+    if (!local.ok()) {
+      return Status(local.status().code(),
+                    fmt::format("shm: {} {} of {}, segment {}: {}", op_name(request.op), request.id,
+                                describe(c), i, local.status().message()));
+    }
+    const Region* region = pin.get();
+    if (region->info.kind != MemoryKind::kHost) {
+      return err::NotSupported(
+          fmt::format("shm: region {} is {} memory; the shm transport carries host memory only",
+                      seg.remote.region_id, memory_kind_name(region->info.kind)));
+    }
+    pieces->push_back({*local, seg.address, seg.remote.length});
+    // One pin per run of segments in the same region is enough.
+    if (pins->empty() || pins->back().get() != region) pins->push_back(std::move(pin));
+  }
+  return Status::Ok();
+}
+
+Status ShmTransport::on_cancel(Connection& c, ByteView body) {
+  auto ids = decode_cancel(body);
+  if (!ids.ok()) return ids.status();
+  std::unordered_set<uint64_t> wanted(ids->begin(), ids->end());
+  std::lock_guard lock(task_mu_);
+  for (Task& t : tasks_) {
+    if (t.conn.get() == &c && !t.notify_for && wanted.count(t.request.id)) {
+      t.request.cancelled = true;
+    }
+  }
+  return Status::Ok();
+}
+
+namespace {
+// The peer shut its end down (it gave up on us: cancel timeout, protocol
+// error) while requests it sent before may still be queued here.
+bool peer_hung_up(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+}  // namespace
+
+void ShmTransport::serve(Connection& c, Request& request) {
+  // The initiator is gone, or we gave up on it (cancel timeout, protocol
+  // error), or it gave up on us: copy nothing more into or out of its memory.
+  if (c.dead.load() || peer_hung_up(c.fd)) return;
+  if (request.cancelled) {
+    const Status s =
+        err::Cancelled(fmt::format("shm: {} {} was cancelled by the initiator before it was served",
+                                   op_name(request.op), request.id));
+    if (Status sent = send_frame(c, encode_response(request.id, s)); !sent.ok()) {
+      fail_connection(c, sent);
+    }
+    return;
+  }
+  std::vector<RegionPin> pins;
+  std::vector<CopyPiece> pieces;
+  Status verdict = validate(c, request, &pins, &pieces);
+  if (verdict.ok()) {
+    // Deregistration started after the check: it waits for our pins, but the
+    // owner wants the region left alone, so nothing is copied.
+    for (const RegionPin& pin : pins) {
+      if (pin.get()->revoked.load(std::memory_order_acquire)) {
+        verdict = err::NotFound(fmt::format(
+            "shm: region {} was deregistered before {} {} was served; nothing was copied",
+            pin.get()->info.id, op_name(request.op), request.id));
+        break;
+      }
+    }
+  }
+  if (verdict.ok() && !pieces.empty()) {
+    if (process_exited(c.pidfd)) return;  // its EOF follows; the pid may be reused
+    size_t failed = 0;
+    uint64_t moved = 0;
+    const Direction direction = request.op == Op::kWriteReq ? Direction::kPull : Direction::kPush;
+    if (Status s = cma_copy(c.pid, direction, pieces, &failed, &moved); !s.ok()) {
+      if (s.code() == StatusCode::kPeerDisconnected) {  // ESRCH: the initiator died
+        spdlog::debug("ferry shm: {}: dropping {} {}: {}", describe(c), op_name(request.op),
+                      request.id, s.message());
+        return;
+      }
+      const WireSegment& seg = request.segments[failed];
+      verdict = Status(s.code(), fmt::format("shm: {} {}: copy stopped in region {} at offset {} "
+                                             "after {} bytes: {}",
+                                             op_name(request.op), request.id, seg.remote.region_id,
+                                             seg.remote.offset, moved, s.message()));
+    }
+  }
+  pins.clear();  // deregistration need not wait for the notification and answer
+  if (verdict.ok() && request.has_notification) {
+    ctx_.events->on_notification(c.peer, std::move(request.notification));
+  }
+  if (Status s = send_frame(c, encode_response(request.id, verdict)); !s.ok()) {
+    fail_connection(c, s);
+  }
+}
+
+// ------------------------------------------------------ initiator: posts ---
+
+Result<std::shared_ptr<Connection>> ShmTransport::live_connection(PeerId peer) const {
+  std::lock_guard lock(mu_);
+  auto it = primary_.find(peer);
+  if (it != primary_.end() && !it->second->dead.load()) return it->second;
+  if (auto l = lost_.find(peer); l != lost_.end()) {
+    return err::PeerDisconnected(
+        fmt::format("shm: peer {} is disconnected ({})", hex_id(peer), l->second));
+  }
+  return err::NotFound(fmt::format("shm: no connection to peer {}", hex_id(peer)));
+}
+
+Status ShmTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                                std::vector<Segment> segments) {
+  return post(peer, transfer, segments, Op::kWriteReq);
+}
+
+Status ShmTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                               std::vector<Segment> segments) {
+  return post(peer, transfer, segments, Op::kReadReq);
+}
+
+Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
+                          const std::vector<Segment>& segments, Op op) {
+  const char* what = op == Op::kWriteReq ? "write" : "read";
+  if (segments.empty()) return err::InvalidArgument(fmt::format("shm: {} with no segments", what));
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
+    if (s.local_device >= 0 || s.remote_device >= 0) {
+      return err::NotSupported(fmt::format(
+          "shm carries host memory only: {} segment {} to peer {} names GPU memory (local "
+          "device {}, remote device {})",
+          what, i, hex_id(peer), s.local_device, s.remote_device));
+    }
+  }
+  auto conn = live_connection(peer);
+  if (!conn.ok()) return conn.status();
+  const bool notify = op == Op::kWriteReq && t->has_notification;
+  if (notify && t->notification.size() > kMaxNotificationBytes) {
+    return err::InvalidArgument(fmt::format("notification of {} bytes exceeds the limit of {}",
+                                            t->notification.size(), kMaxNotificationBytes));
+  }
+  const uint32_t max_segments = opt_.max_request_segments;
+  const uint64_t max_bytes = opt_.max_request_bytes;
+  uint64_t requests = 0;
+  cut_requests(
+      segments, max_segments, max_bytes, [](size_t, uint64_t, uint64_t) {}, [&] { ++requests; });
+  // A write that fits one request carries its notification: the target
+  // delivers it after the copy. Otherwise it follows the last response.
+  const bool embed = notify && requests == 1;
+  Bytes note;
+  if (embed) {
+    note = std::move(t->notification);
+    t->has_notification = false;
+  }
+  t->outstanding.store(requests);
+
+  std::vector<WireSegment> current;
+  current.reserve(std::min<size_t>(max_segments, segments.size()));
+  Status result;
+  bool stop = false;
+  cut_requests(
+      segments, max_segments, max_bytes,
+      [&](size_t i, uint64_t offset, uint64_t length) {
+        if (stop) return;
+        const Segment& s = segments[i];
+        WireSegment w;
+        w.remote = s.remote;
+        w.remote.offset += offset;
+        w.remote.length = length;
+        w.address = reinterpret_cast<uint64_t>(s.local) + offset;
+        current.push_back(w);
+      },
+      [&] {
+        if (stop) return;
+        const uint64_t id = next_request_id_.fetch_add(1);
+        Status s = send_request(*conn, t, id, encode_request(op, id, current, embed, note));
+        current.clear();
+        if (!s.ok()) {
+          stop = true;
+          // Cancelled: the transfer was cancelled or failed meanwhile; whoever
+          // did that completes it.
+          if (s.code() != StatusCode::kCancelled) result = s;
+        }
+      });
+  return result;
+}
+
+Status ShmTransport::post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                                       Bytes payload) {
+  if (payload.size() > kMaxNotificationBytes) {
+    return err::InvalidArgument(fmt::format("notification of {} bytes exceeds the limit of {}",
+                                            payload.size(), kMaxNotificationBytes));
+  }
+  auto conn = live_connection(peer);
+  if (!conn.ok()) return conn.status();
+  transfer->outstanding.store(1);
+  const uint64_t id = next_request_id_.fetch_add(1);
+  Status s =
+      send_request(*conn, transfer, id, encode_request(Op::kNotifyReq, id, {}, true, payload));
+  return s.code() == StatusCode::kCancelled ? Status::Ok() : s;
+}
+
+Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
+                                  const std::shared_ptr<Transfer>& t, uint64_t id,
+                                  const Bytes& frame) {
+  {
+    // Under io_mu: cancel() either sees this request in in_flight and waits
+    // for its answer, or we see `cancelled` and send nothing.
+    std::lock_guard io(t->io_mu);
+    if (t->cancelled) return err::Cancelled("");
+    std::lock_guard lock(c->mu);
+    if (c->dead.load()) {
+      return err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(*c)));
+    }
+    c->pending.emplace(id, t);
+    ++c->in_flight[t.get()];
+  }
+  Status s = send_frame(*c, frame);
+  if (!s.ok()) fail_connection(*c, s);  // fails `t` with the others in flight
+  return s;
+}
+
+void ShmTransport::finish(const std::shared_ptr<Connection>& c,
+                          const std::shared_ptr<Transfer>& t) {
+  {
+    std::lock_guard io(t->io_mu);
+    if (t->cancelled) return;  // cancel() or a failure completes it
+  }
+  Status error = t->first_error();
+  if (!error.ok()) {
+    t->complete(std::move(error));
+    return;
+  }
+  if (t->op() == TransferOp::kWrite && t->has_notification) {
+    // Every request is answered, so every byte is placed: the notification
+    // may go now. The I/O thread never sends (it must keep reading), so a
+    // copy worker does; its answer completes the transfer.
+    t->has_notification = false;
+    submit(Task{c, Request{}, t});
+    return;
+  }
+  t->complete(Status::Ok());
+}
+
+void ShmTransport::send_write_notification(const std::shared_ptr<Connection>& c,
+                                           const std::shared_ptr<Transfer>& t) {
+  t->outstanding.store(1);
+  const uint64_t id = next_request_id_.fetch_add(1);
+  Status s = send_request(c, t, id, encode_request(Op::kNotifyReq, id, {}, true, t->notification));
+  if (!s.ok() && s.code() != StatusCode::kCancelled) fail_transfer(*t, s);
+}
+
+void ShmTransport::cancel(Transfer& t) {
+  {
+    std::lock_guard io(t.io_mu);
+    t.cancelled = true;  // requests not yet sent are dropped
+  }
+  std::vector<std::shared_ptr<Connection>> conns;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& c : open_) {
+      if (c->peer == t.peer()) conns.push_back(c);
+    }
+  }
+  // The peer copies into or out of our memory until it answers. Tell it to
+  // skip what it has not started, then wait for every request already sent,
+  // bounded by shm.cancel_timeout_ms.
+  for (auto& c : conns) {
+    std::vector<uint64_t> ids;
+    {
+      std::lock_guard lock(c->mu);
+      for (const auto& [id, transfer] : c->pending) {
+        if (transfer.get() == &t) ids.push_back(id);
+      }
+    }
+    for (size_t at = 0; at < ids.size(); at += kMaxCancelIds) {
+      const size_t n = std::min<size_t>(kMaxCancelIds, ids.size() - at);
+      if (!send_frame(*c, encode_cancel(std::span(ids).subspan(at, n))).ok()) break;
+    }
+  }
+  const auto deadline = Clock::now() + opt_.cancel_timeout;
+  for (auto& c : conns) {
+    std::unique_lock lock(c->mu);
+    const bool idle = c->idle_cv.wait_until(
+        lock, deadline, [&] { return c->dead.load() || c->in_flight.count(&t) == 0; });
+    if (idle) continue;
+    const uint32_t left = c->in_flight[&t];
+    lock.unlock();
+    const Status why = err::Timeout(fmt::format(
+        "cancel of transfer {} waited {} ms (shm.cancel_timeout_ms) for {} to answer {} "
+        "request(s) it may still be copying; the connection is shut down",
+        t.id(), opt_.cancel_timeout.count(), describe(*c), left));
+    spdlog::warn("ferry shm: {}", why.message());
+    fail_connection(*c, why);
+  }
+}
+
+// ------------------------------------------------------- send and failure ---
+
+Status ShmTransport::send_frame(Connection& c, const Bytes& frame) {
+  std::lock_guard lock(c.send_mu);
+  if (c.dead.load()) {
+    return err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(c)));
+  }
+  Status s = send_all(c.fd, frame, Clock::now() + opt_.send_timeout);
+  if (s.ok()) return s;
+  if (s.code() == StatusCode::kTimeout) {
+    return err::Timeout(
+        fmt::format("shm: {} did not drain its socket for {} ms (shm.send_timeout_ms)", describe(c),
+                    opt_.send_timeout.count()));
+  }
+  return Status(s.code(), fmt::format("shm: {}: {}", describe(c), s.message()));
+}
+
+void ShmTransport::fail_transfer(Transfer& t, const Status& status) {
+  {
+    std::lock_guard io(t.io_mu);
+    t.cancelled = true;  // nothing more of it is sent
+  }
+  t.complete(status);
+}
+
+void ShmTransport::fail_connection(Connection& c, const Status& reason, bool verbatim) {
+  std::unordered_map<uint64_t, std::shared_ptr<Transfer>> pending;
+  bool established;
+  {
+    std::lock_guard lock(c.mu);
+    if (c.dead.load()) return;
+    c.dead.store(true);
+    pending.swap(c.pending);
+    c.in_flight.clear();
+    established = c.established;
+  }
+  c.idle_cv.notify_all();
+  // Wakes the I/O thread (EPOLLHUP) to drop it and any sender blocked on it;
+  // the descriptor itself closes with the last reference.
+  ::shutdown(c.fd, SHUT_RDWR);
+  const Status status = verbatim
+                            ? reason
+                            : err::PeerDisconnected(fmt::format("shm: connection to {} closed: {}",
+                                                                describe(c), reason.message()));
+  if (established) {
+    bool report = false;
+    {
+      std::lock_guard lock(mu_);
+      std::erase_if(open_, [&](const std::shared_ptr<Connection>& o) { return o.get() == &c; });
+      auto it = primary_.find(c.peer);
+      if (it != primary_.end() && it->second.get() == &c) {
+        primary_.erase(it);
+        // Both sides may have connected at once: another live connection to
+        // the same peer takes over and the peer stays up.
+        for (auto& o : open_) {
+          if (o->peer == c.peer && !o->dead.load()) {
+            primary_[c.peer] = o;
+            break;
+          }
+        }
+        report = primary_.count(c.peer) == 0;
+        if (report) lost_[c.peer] = status.message();
+      }
+    }
+    if (verbatim && reason.code() == StatusCode::kCancelled) {
+      spdlog::debug("ferry shm: {}", status.message());
+    } else if (pending.empty()) {
+      spdlog::info("ferry shm: connection to {} closed: {} (no request was in flight)", describe(c),
+                   reason.message());
+    } else {
+      spdlog::warn("ferry shm: connection to {} closed: {} ({} request(s) in flight fail)",
+                   describe(c), reason.message(), pending.size());
+    }
+    if (report) ctx_.events->on_peer_down(c.peer, status);
+  }
+  for (auto& [id, t] : pending) {
+    // A transfer the caller cancelled is completed by the engine (Cancelled);
+    // one failed earlier is complete already.
+    bool cancelled;
+    {
+      std::lock_guard io(t->io_mu);
+      cancelled = t->cancelled;
+    }
+    if (!cancelled) fail_transfer(*t, status);
+  }
+}
+
+}  // namespace ferry::shm

@@ -1,0 +1,214 @@
+// The shm transport: host memory between two processes of one host, in a
+// single copy by cross-memory attach (process_vm_readv / process_vm_writev).
+//
+// Target-driven: the process that owns the registered region does every
+// copy. A WRITE_REQ names the initiator's addresses and the remote access
+// requests; the target checks every segment with RegionRegistry::check_remote
+// (key, range, access, revocation) and that the region is host memory, then
+// pulls the bytes with process_vm_readv. A READ_REQ is checked the same way
+// and pushed with process_vm_writev. So the target is exactly as strict as
+// tcp, the RegionPins held during the copy make deregistration wait, and no
+// grant/revoke protocol is needed. The initiator's memory is never checked by
+// the target: the initiator's engine validated it, and the kernel's
+// permission check (ptrace rules) is what lets the target touch it at all.
+//
+// Control channel: one Unix stream socket per connection, listener at
+// <shm.socket_dir>/ferry-<engine id>-<pid>.sock (a pathname socket, so it
+// works across network namespaces that share the filesystem). The peer's pid
+// is SO_PEERCRED's, never one the peer claims. The handshake proves, in both
+// directions, that cross-memory attach works with a real read of a random
+// value from the peer (shm_wire.h has the messages).
+//
+// Threads: one epoll I/O thread reads every connection (it never blocks on a
+// send, so both ends always drain their sockets and blocking sends cannot
+// deadlock); shm.copy_threads workers validate, copy, notify and answer.
+// Initiators (application threads) send requests under the connection's
+// send mutex.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/shm/cma.h"
+#include "transport/shm/shm_wire.h"
+#include "transport/transport.h"
+
+namespace ferry::shm {
+
+extern const OptionSpec kShmOptionSpecs[];
+extern const size_t kShmOptionSpecCount;
+
+struct ShmOptions {
+  std::string socket_dir = "/tmp";
+  std::chrono::milliseconds connect_timeout{5000};
+  bool allow_ptrace = true;
+  uint32_t max_request_segments = kMaxRequestSegments;
+  uint64_t max_request_bytes = 4 << 20;
+  uint32_t copy_threads = 1;
+  std::chrono::milliseconds cancel_timeout{10000};
+  std::chrono::milliseconds send_timeout{10000};
+};
+
+struct Connection : std::enable_shared_from_this<Connection> {
+  ~Connection();
+
+  enum class State { kAwaitHello, kAwaitHelloDone, kOpen };
+  int fd = -1;
+  pid_t pid = 0;    // the peer's, from SO_PEERCRED
+  int pidfd = -1;   // the peer process itself (see cma.h open_pidfd)
+  PeerId peer = 0;  // set once its HELLO / HELLO_ACK is read
+  std::string via;  // the socket path the connection runs through
+  bool outgoing = false;
+  // Our probe value; its address travels in the handshake, so it lives as
+  // long as the connection.
+  uint64_t probe_value = 0;
+  std::atomic<bool> dead{false};  // set once, under mu, by fail_connection
+
+  // One frame at a time on the socket (initiators and copy workers).
+  std::mutex send_mu;
+
+  // Requests this side sent and still expects answers for.
+  std::mutex mu;
+  std::condition_variable idle_cv;  // an entry of in_flight dropped to 0, or dead
+  bool established = false;         // under mu; on_peer_up was called
+  std::unordered_map<uint64_t, std::shared_ptr<Transfer>> pending;  // request id →
+  std::unordered_map<const Transfer*, uint32_t> in_flight;          // for cancel()
+
+  // --- I/O thread only ---
+  State state = State::kOpen;
+  std::chrono::steady_clock::time_point handshake_deadline{};
+  Bytes rx;  // received bytes not yet handled
+  size_t rx_len = 0;
+};
+
+// Work for a copy worker: serve a request of `conn`'s peer, or (notify_for
+// set) send a multi-request write's notification now that all of it landed.
+struct Task {
+  std::shared_ptr<Connection> conn;
+  Request request;
+  std::shared_ptr<Transfer> notify_for;
+};
+
+class ShmTransport final : public Transport {
+ public:
+  ShmTransport() = default;
+  ~ShmTransport() override;
+
+  std::string_view name() const override { return "shm"; }
+  TransportCaps capabilities() const override;
+  Status start(const TransportContext& context) override;
+  void shutdown(const Status& reason) override;
+  Bytes local_address() const override;
+  std::string local_address_text() const override { return "unix:" + socket_path_; }
+  Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) override;
+  bool is_connected(PeerId peer) const override;
+  std::string peer_address(PeerId peer) const override;
+  Status post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                    std::vector<Segment> segments) override;
+  Status post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                   std::vector<Segment> segments) override;
+  Status post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                           Bytes payload) override;
+  void cancel(Transfer& transfer) override;
+  // Nothing to do: a copy holds its pins only for one process_vm_* batch of
+  // at most shm.max_request_bytes (no peer can stall it), and every request
+  // checks Region::revoked before it copies.
+  void release_revoked_regions() override {}
+
+ private:
+  // --- set-up ---
+  Status read_options();
+  Status open_listener();
+  Status handshake_out(Connection& c, const ShmAddress& address, PeerId expected_peer,
+                       std::chrono::steady_clock::time_point deadline);
+  // Makes an open connection usable: maps it by peer, calls on_peer_up.
+  Status establish(const std::shared_ptr<Connection>& c);
+  void watch(const std::shared_ptr<Connection>& c);
+
+  // --- I/O thread ---
+  void io_loop();
+  void on_accept();
+  void on_readable(Connection& c);
+  // Handles every complete frame in c.rx; an error closes the connection.
+  Status parse_frames(Connection& c);
+  Status on_frame(Connection& c, const FrameHeader& h, ByteView body);
+  Status on_hello(Connection& c, const FrameHeader& h, ByteView body);
+  Status on_hello_done(Connection& c, ByteView body);
+  Status on_response(Connection& c, ByteView body);
+  Status on_cancel(Connection& c, ByteView body);
+  void expire_handshakes();
+
+  // --- copy workers ---
+  void worker_loop(int index);
+  void submit(Task task);
+  void serve(Connection& c, Request& request);
+  // The checks of every segment of `request`; fills pins and copy pieces.
+  Status validate(const Connection& c, const Request& request, std::vector<RegionPin>* pins,
+                  std::vector<CopyPiece>* pieces) const;
+  void send_write_notification(const std::shared_ptr<Connection>& c,
+                               const std::shared_ptr<Transfer>& t);
+
+  // --- initiator side ---
+  Result<std::shared_ptr<Connection>> live_connection(PeerId peer) const;
+  Status post(PeerId peer, const std::shared_ptr<Transfer>& t, const std::vector<Segment>& segments,
+              Op op);
+  // Registers request `id` of `t` as pending and sends it. Cancelled: `t`
+  // was cancelled (or failed) first, nothing was sent.
+  Status send_request(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t,
+                      uint64_t id, const Bytes& frame);
+  // After the last response of `t`: the write's notification, or completion.
+  void finish(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t);
+
+  // --- both ---
+  // Sends one whole frame (blocking, bounded by shm.send_timeout_ms).
+  Status send_frame(Connection& c, const Bytes& frame);
+  // Marks `c` dead, fails its pending transfers and, if it carried the peer,
+  // reports the peer down. `verbatim`: transfers fail with `reason` itself
+  // (shutdown) instead of a PeerDisconnected naming the connection.
+  void fail_connection(Connection& c, const Status& reason, bool verbatim = false);
+  void fail_transfer(Transfer& t, const Status& status);
+  std::string describe(const Connection& c) const;
+
+  TransportContext ctx_;
+  ShmOptions opt_;
+  std::string thread_prefix_ = "ferry";
+  std::string socket_path_;
+  int listen_fd_ = -1;
+  int epfd_ = -1;
+  int wakefd_ = -1;
+  std::thread io_thread_;
+  std::atomic<bool> io_stop_{false};
+  int handshaking_ = 0;  // I/O thread only
+
+  // Every connection the I/O thread watches (handshaking and open).
+  std::mutex io_mu_;
+  std::unordered_map<Connection*, std::shared_ptr<Connection>> watched_;
+
+  // Copy workers and their queue.
+  std::vector<std::thread> workers_;
+  std::mutex task_mu_;
+  std::condition_variable task_cv_;
+  std::deque<Task> tasks_;
+  bool workers_stop_ = false;  // under task_mu_
+
+  mutable std::mutex mu_;
+  bool started_ = false;
+  bool stopped_ = false;
+  std::unordered_map<PeerId, std::shared_ptr<Connection>> primary_;
+  std::vector<std::shared_ptr<Connection>> open_;  // established, not yet failed
+  std::unordered_map<PeerId, std::string> lost_;   // why a peer went down
+  std::mutex connect_mu_;
+  std::atomic<uint64_t> next_request_id_{1};
+};
+
+}  // namespace ferry::shm

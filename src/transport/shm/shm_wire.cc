@@ -1,0 +1,405 @@
+#include "transport/shm/shm_wire.h"
+
+#include <algorithm>
+
+#include "core/byte_codec.h"
+#include "fmt/format.h"
+
+namespace ferry::shm {
+namespace {
+
+Bytes frame(Op op, const Bytes& body, uint8_t flags = 0) {
+  Bytes out;
+  out.reserve(kFrameHeaderBytes + body.size());
+  ByteWriter w(out);
+  w.u32(kFrameMagic);
+  w.u16(kWireVersion);
+  w.u8(static_cast<uint8_t>(op));
+  w.u8(flags);
+  w.u32(static_cast<uint32_t>(body.size()));
+  w.u32(0);
+  w.bytes(body.data(), body.size());
+  return out;
+}
+
+std::string_view clipped(const std::string& message) {
+  return std::string_view(message).substr(0, kMaxMessageBytes);
+}
+
+// Status code + message as they travel (u16 code, u16 reserved, u32 length
+// here; the message bytes are written last by the caller).
+void put_status_head(ByteWriter& w, const Status& s) {
+  w.u16(static_cast<uint16_t>(s.code()));
+  w.u16(0);
+  w.u32(static_cast<uint32_t>(clipped(s.message()).size()));
+}
+
+void put_message(ByteWriter& w, const Status& s) {
+  const std::string_view m = clipped(s.message());
+  w.bytes(m.data(), m.size());
+}
+
+// Reads the message of a status whose head was read into *out: exactly
+// `length` bytes must be left in the body.
+Status take_status(ByteReader& r, uint16_t code, uint32_t length, const char* what, Status* out) {
+  if (code > static_cast<uint16_t>(StatusCode::kInternal)) {
+    return err::ProtocolError(fmt::format("{} with unknown status code {}", what, code));
+  }
+  if (length > kMaxMessageBytes || length != r.remaining()) {
+    return err::ProtocolError(fmt::format("{}: message of {} bytes in {} bytes left (limit {})",
+                                          what, length, r.remaining(), kMaxMessageBytes));
+  }
+  auto m = r.bytes(length);
+  *out = Status(static_cast<StatusCode>(code),
+                std::string(reinterpret_cast<const char*>(m.data()), m.size()));
+  return Status::Ok();
+}
+
+}  // namespace
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kHello:
+      return "HELLO";
+    case Op::kHelloAck:
+      return "HELLO_ACK";
+    case Op::kHelloDone:
+      return "HELLO_DONE";
+    case Op::kWriteReq:
+      return "WRITE_REQ";
+    case Op::kReadReq:
+      return "READ_REQ";
+    case Op::kNotifyReq:
+      return "NOTIFY_REQ";
+    case Op::kResponse:
+      return "RESPONSE";
+    case Op::kCancel:
+      return "CANCEL";
+  }
+  return "UNKNOWN";
+}
+
+uint64_t max_body_bytes(Op op) {
+  switch (op) {
+    case Op::kHello:
+    case Op::kHelloAck:
+    case Op::kHelloDone:
+      return kMaxHandshakeBody;
+    case Op::kWriteReq:
+    case Op::kReadReq:
+    case Op::kNotifyReq:
+      return kRequestFixedBytes + uint64_t{kMaxRequestSegments} * kSegmentBytes +
+             kMaxNotificationBytes;
+    case Op::kResponse:
+      return kResponseFixedBytes + kMaxMessageBytes;
+    case Op::kCancel:
+      return 8 + uint64_t{kMaxCancelIds} * 8;
+  }
+  return 0;
+}
+
+Result<FrameHeader> decode_header(ByteView bytes) {
+  if (bytes.size() < kFrameHeaderBytes) {
+    return err::ProtocolError(
+        fmt::format("truncated frame header ({} of {} bytes)", bytes.size(), kFrameHeaderBytes));
+  }
+  ByteReader r(bytes.first(kFrameHeaderBytes));
+  const uint32_t magic = r.u32();
+  FrameHeader h;
+  h.version = r.u16();
+  const uint8_t op = r.u8();
+  h.flags = r.u8();
+  h.body_bytes = r.u32();
+  const uint32_t reserved = r.u32();
+  if (magic != kFrameMagic) {
+    return err::ProtocolError(
+        fmt::format("bad frame magic {:#010x}, expected {:#010x}", magic, kFrameMagic));
+  }
+  if (op < static_cast<uint8_t>(Op::kHello) || op > static_cast<uint8_t>(Op::kCancel)) {
+    return err::ProtocolError(fmt::format("unknown opcode {}", op));
+  }
+  h.op = static_cast<Op>(op);
+  const bool handshake = h.op == Op::kHello || h.op == Op::kHelloAck || h.op == Op::kHelloDone;
+  if (!handshake && h.version != kWireVersion) {
+    return err::ProtocolError(fmt::format("{} frame of wire version {}, this engine speaks {}",
+                                          op_name(h.op), h.version, kWireVersion));
+  }
+  const uint8_t allowed_flags = h.op == Op::kWriteReq ? kFlagNotification : 0;
+  if ((h.flags & ~allowed_flags) != 0 || reserved != 0) {
+    return err::ProtocolError(fmt::format("{} frame with flags {:#04x} / reserved {:#010x} set",
+                                          op_name(h.op), h.flags, reserved));
+  }
+  if (h.body_bytes > max_body_bytes(h.op)) {
+    return err::ProtocolError(fmt::format("{} frame announces {} body bytes (limit {})",
+                                          op_name(h.op), h.body_bytes, max_body_bytes(h.op)));
+  }
+  return h;
+}
+
+// ---------------------------------------------------------------- requests ---
+
+Bytes encode_request(Op op, uint64_t id, std::span<const WireSegment> segments,
+                     bool has_notification, ByteView notification) {
+  Bytes body;
+  body.reserve(kRequestFixedBytes + segments.size() * kSegmentBytes + notification.size());
+  ByteWriter w(body);
+  w.u64(id);
+  w.u32(static_cast<uint32_t>(segments.size()));
+  w.u32(static_cast<uint32_t>(notification.size()));
+  for (const WireSegment& s : segments) {
+    w.u64(s.remote.region_id);
+    w.u64(s.remote.adv_offset);
+    w.u64(s.remote.adv_length);
+    w.u64(s.remote.key);
+    w.u64(s.remote.offset);
+    w.u64(s.remote.length);
+    w.u64(s.address);
+    w.u8(s.remote.access);
+    for (int i = 0; i < 7; ++i) w.u8(0);
+  }
+  w.bytes(notification.data(), notification.size());
+  return frame(op, body, op == Op::kWriteReq && has_notification ? kFlagNotification : 0);
+}
+
+Result<Request> decode_request(const FrameHeader& header, ByteView body) {
+  const Op op = header.op;
+  const char* name = op_name(op);
+  if (!is_request(op)) return err::ProtocolError(fmt::format("{} is not a request", name));
+  ByteReader r(body);
+  Request req;
+  req.op = op;
+  req.id = r.u64();
+  const uint32_t count = r.u32();
+  const uint32_t note_bytes = r.u32();
+  if (!r.ok()) {
+    return err::ProtocolError(fmt::format("truncated {} ({} body bytes)", name, body.size()));
+  }
+  const bool want_segments = op != Op::kNotifyReq;
+  if (want_segments ? (count == 0 || count > kMaxRequestSegments) : count != 0) {
+    return err::ProtocolError(fmt::format("{} {} with {} segments (allowed {})", name, req.id,
+                                          count, want_segments ? "1..1024" : "none"));
+  }
+  req.has_notification =
+      op == Op::kNotifyReq || (op == Op::kWriteReq && (header.flags & kFlagNotification) != 0);
+  if (note_bytes > kMaxNotificationBytes || (!req.has_notification && note_bytes != 0)) {
+    return err::ProtocolError(fmt::format("{} {} with a notification of {} bytes (limit {})", name,
+                                          req.id, note_bytes,
+                                          req.has_notification ? kMaxNotificationBytes : 0));
+  }
+  const uint64_t expected = kRequestFixedBytes + uint64_t{count} * kSegmentBytes + note_bytes;
+  if (body.size() != expected) {
+    return err::ProtocolError(
+        fmt::format("{} {}: body of {} bytes, {} segments and {} "
+                    "notification bytes need exactly {}",
+                    name, req.id, body.size(), count, note_bytes, expected));
+  }
+  req.segments.resize(count);
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < count; ++i) {
+    WireSegment& s = req.segments[i];
+    s.remote.region_id = r.u64();
+    s.remote.adv_offset = r.u64();
+    s.remote.adv_length = r.u64();
+    s.remote.key = r.u64();
+    s.remote.offset = r.u64();
+    s.remote.length = r.u64();
+    s.address = r.u64();
+    s.remote.access = r.u8();
+    uint8_t reserved = 0;
+    for (int k = 0; k < 7; ++k) reserved |= r.u8();
+    if (reserved != 0) {
+      return err::ProtocolError(
+          fmt::format("{} {} segment {}: reserved bytes set", name, req.id, i));
+    }
+    // Zero-length or wrapping ranges are impossible for an initiator that
+    // checked its own iovs; refuse them before anyone computes with them.
+    if (s.remote.length == 0 || s.address == 0 || s.address + s.remote.length < s.address ||
+        total + s.remote.length < total) {
+      return err::ProtocolError(
+          fmt::format("{} {} segment {}: impossible range address {:#x} length {}", name, req.id, i,
+                      s.address, s.remote.length));
+    }
+    total += s.remote.length;
+  }
+  auto note = r.bytes(note_bytes);
+  req.notification.assign(note.begin(), note.end());
+  if (!r.ok()) return err::ProtocolError(fmt::format("truncated {} {}", name, req.id));
+  return req;
+}
+
+// --------------------------------------------------------------- responses ---
+
+Bytes encode_response(uint64_t id, const Status& status) {
+  Bytes body;
+  ByteWriter w(body);
+  w.u64(id);
+  put_status_head(w, status);
+  put_message(w, status);
+  return frame(Op::kResponse, body);
+}
+
+Result<Response> decode_response(ByteView body) {
+  ByteReader r(body);
+  Response resp;
+  resp.id = r.u64();
+  const uint16_t code = r.u16();
+  (void)r.u16();
+  const uint32_t length = r.u32();
+  if (!r.ok()) return err::ProtocolError(fmt::format("truncated RESPONSE ({} bytes)", body.size()));
+  if (Status s = take_status(r, code, length, "RESPONSE", &resp.status); !s.ok()) return s;
+  return resp;
+}
+
+// ------------------------------------------------------------------ cancel ---
+
+Bytes encode_cancel(std::span<const uint64_t> ids) {
+  Bytes body;
+  ByteWriter w(body);
+  w.u32(static_cast<uint32_t>(ids.size()));
+  w.u32(0);
+  for (uint64_t id : ids) w.u64(id);
+  return frame(Op::kCancel, body);
+}
+
+Result<std::vector<uint64_t>> decode_cancel(ByteView body) {
+  ByteReader r(body);
+  const uint32_t count = r.u32();
+  const uint32_t reserved = r.u32();
+  if (!r.ok() || reserved != 0 || count == 0 || count > kMaxCancelIds ||
+      body.size() != 8 + uint64_t{count} * 8) {
+    return err::ProtocolError(fmt::format("malformed CANCEL: {} bytes for {} ids (1 to {} allowed)",
+                                          body.size(), count, kMaxCancelIds));
+  }
+  std::vector<uint64_t> ids(count);
+  for (auto& id : ids) id = r.u64();
+  return ids;
+}
+
+// --------------------------------------------------------------- handshake ---
+
+Bytes encode_hello(const Hello& hello) {
+  Bytes body;
+  ByteWriter w(body);
+  w.u64(hello.engine_id);
+  w.u64(hello.expected_engine_id);
+  w.u64(hello.probe_address);
+  w.u32(hello.probe_length);
+  w.u32(0);
+  w.u64(hello.probe_value);
+  return frame(Op::kHello, body);
+}
+
+Result<Hello> decode_hello(ByteView body) {
+  if (body.size() != kHelloBytes) {
+    return err::ProtocolError(
+        fmt::format("HELLO of {} bytes, expected {}", body.size(), kHelloBytes));
+  }
+  ByteReader r(body);
+  Hello h;
+  h.engine_id = r.u64();
+  h.expected_engine_id = r.u64();
+  h.probe_address = r.u64();
+  h.probe_length = r.u32();
+  (void)r.u32();
+  h.probe_value = r.u64();
+  if (h.engine_id == 0 || h.probe_address == 0 || h.probe_length != kProbeBytes) {
+    return err::ProtocolError(
+        fmt::format("malformed HELLO: engine {:016x}, probe {:#x} of {} bytes", h.engine_id,
+                    h.probe_address, h.probe_length));
+  }
+  return h;
+}
+
+Bytes encode_hello_ack(const HelloAck& ack) {
+  Bytes body;
+  ByteWriter w(body);
+  put_status_head(w, ack.status);
+  w.u64(ack.engine_id);
+  w.u64(ack.probe_address);
+  w.u32(ack.probe_length);
+  w.u32(0);
+  w.u64(ack.probe_value);
+  put_message(w, ack.status);
+  return frame(Op::kHelloAck, body);
+}
+
+Result<HelloAck> decode_hello_ack(ByteView body) {
+  ByteReader r(body);
+  HelloAck a;
+  const uint16_t code = r.u16();
+  (void)r.u16();
+  const uint32_t length = r.u32();
+  a.engine_id = r.u64();
+  a.probe_address = r.u64();
+  a.probe_length = r.u32();
+  (void)r.u32();
+  a.probe_value = r.u64();
+  if (!r.ok())
+    return err::ProtocolError(fmt::format("truncated HELLO_ACK ({} bytes)", body.size()));
+  if (Status s = take_status(r, code, length, "HELLO_ACK", &a.status); !s.ok()) return s;
+  if (a.status.ok() &&
+      (a.engine_id == 0 || a.probe_address == 0 || a.probe_length != kProbeBytes)) {
+    return err::ProtocolError(
+        fmt::format("malformed HELLO_ACK: engine {:016x}, probe {:#x} of {} bytes", a.engine_id,
+                    a.probe_address, a.probe_length));
+  }
+  return a;
+}
+
+Bytes encode_hello_done(const Status& status) {
+  Bytes body;
+  ByteWriter w(body);
+  put_status_head(w, status);
+  put_message(w, status);
+  return frame(Op::kHelloDone, body);
+}
+
+Status decode_hello_done(ByteView body, Status* carried) {
+  ByteReader r(body);
+  const uint16_t code = r.u16();
+  (void)r.u16();
+  const uint32_t length = r.u32();
+  if (!r.ok()) {
+    return err::ProtocolError(fmt::format("truncated HELLO_DONE ({} bytes)", body.size()));
+  }
+  return take_status(r, code, length, "HELLO_DONE", carried);
+}
+
+// ----------------------------------------------------------------- address ---
+
+Bytes encode_address(const ShmAddress& address) {
+  Bytes out;
+  ByteWriter w(out);
+  w.u8(kAddressFormat);
+  w.u8(0);
+  w.u16(static_cast<uint16_t>(address.socket_path.size()));
+  w.u32(address.pid);
+  w.bytes(address.socket_path.data(), address.socket_path.size());
+  return out;
+}
+
+Result<ShmAddress> decode_address(ByteView bytes) {
+  ByteReader r(bytes);
+  const uint8_t format = r.u8();
+  (void)r.u8();
+  const uint16_t length = r.u16();
+  ShmAddress a;
+  a.pid = r.u32();
+  if (!r.ok()) return err::InvalidArgument("shm address is truncated");
+  if (format != kAddressFormat) {
+    return err::InvalidArgument(fmt::format("shm address of format {}, this engine reads format {}",
+                                            format, kAddressFormat));
+  }
+  if (length == 0 || length > kMaxSocketPath || length != r.remaining()) {
+    return err::InvalidArgument(fmt::format("shm address: socket path of {} bytes in {} (limit {})",
+                                            length, r.remaining(), kMaxSocketPath));
+  }
+  auto p = r.bytes(length);
+  a.socket_path.assign(reinterpret_cast<const char*>(p.data()), p.size());
+  if (a.socket_path.front() != '/' || a.socket_path.find('\0') != std::string::npos) {
+    return err::InvalidArgument("shm address: socket path is not an absolute path");
+  }
+  return a;
+}
+
+}  // namespace ferry::shm

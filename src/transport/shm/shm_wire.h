@@ -1,0 +1,169 @@
+// The shm transport's wire format: control messages on a Unix stream socket.
+// Data never travels on it: the target process copies the bytes itself with
+// process_vm_readv/writev (cma.h), so a frame only names addresses.
+//
+// Every frame is a 16-byte header followed by `body_bytes` of body:
+//
+//   header  u32 magic "FSHM" | u16 version | u8 op | u8 flags | u32 body_bytes | u32 reserved (0)
+//           flags: kFlagNotification on a WRITE_REQ that carries its write's notification
+//           (delivered after the copy); 0 otherwise
+//   HELLO       u64 engine id | u64 expected engine id (0: any) | u64 probe address |
+//               u32 probe length (8) | u32 reserved | u64 probe value                    (40 bytes)
+//   HELLO_ACK   u16 status | u16 reserved | u32 message length | u64 engine id |
+//               u64 probe address | u32 probe length | u32 reserved | u64 probe value | message
+//   HELLO_DONE  u16 status | u16 reserved | u32 message length | message
+//   WRITE_REQ, READ_REQ, NOTIFY_REQ
+//               u64 request id | u32 segment count | u32 notification length |
+//               segment[count] | notification bytes
+//     segment   u64 region id | u64 advertised offset | u64 advertised length | u64 key |
+//               u64 offset | u64 length | u64 initiator address | u8 access | u8[7] reserved
+//                                                                                (64 bytes each)
+//   RESPONSE    u64 request id | u16 status | u16 reserved | u32 message length | message
+//
+// All integers are little endian. A receiver checks every length before it
+// trusts it: the header's body_bytes against the op's limit, then the body's
+// fields against body_bytes exactly. Anything else is a ProtocolError.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/region_registry.h"
+#include "ferry/status.h"
+#include "ferry/types.h"
+
+namespace ferry::shm {
+
+static_assert(std::endian::native == std::endian::little,
+              "the wire format is little endian; add byte swapping for this host");
+
+constexpr uint32_t kFrameMagic = 0x4D485346;  // "FSHM"
+constexpr uint16_t kWireVersion = 1;
+constexpr size_t kFrameHeaderBytes = 16;
+constexpr size_t kSegmentBytes = 64;
+constexpr size_t kRequestFixedBytes = 16;
+constexpr size_t kResponseFixedBytes = 16;
+constexpr size_t kHelloBytes = 40;
+constexpr size_t kHelloAckFixedBytes = 40;
+constexpr size_t kHelloDoneFixedBytes = 8;
+
+// Hard limits a receiver enforces before trusting a header.
+constexpr uint32_t kMaxRequestSegments = 1024;  // IOV_MAX: one syscall per request
+constexpr uint32_t kMaxNotificationBytes = 1u << 20;
+constexpr uint32_t kMaxMessageBytes = 4096;  // error text in responses and handshakes
+// Handshake frames may grow in later versions; this bound lets a receiver
+// read a newer peer's HELLO whole and answer it with a version error.
+constexpr uint32_t kMaxHandshakeBody = 8192;
+constexpr uint32_t kProbeBytes = 8;
+
+enum class Op : uint8_t {
+  kHello = 1,
+  kHelloAck = 2,
+  kHelloDone = 3,
+  kWriteReq = 4,   // the target pulls the initiator's bytes into its region
+  kReadReq = 5,    // the target pushes its region's bytes to the initiator
+  kNotifyReq = 6,  // notification only (no segments)
+  kResponse = 7,
+  kCancel = 8,  // the initiator gave up on these requests: skip those not yet served
+};
+const char* op_name(Op op);
+inline bool is_request(Op op) {
+  return op == Op::kWriteReq || op == Op::kReadReq || op == Op::kNotifyReq;
+}
+
+constexpr uint8_t kFlagNotification = 1;
+
+struct FrameHeader {
+  uint16_t version = kWireVersion;
+  Op op = Op::kResponse;
+  uint8_t flags = 0;
+  uint32_t body_bytes = 0;
+};
+
+// The largest body a header of `op` may announce.
+uint64_t max_body_bytes(Op op);
+// Checks magic, opcode, flags and body_bytes against the op's limit. The
+// version is checked here for data frames; handshake frames carry it to the
+// handshake code, which answers a mismatch naming both versions.
+Result<FrameHeader> decode_header(ByteView bytes);
+
+// One segment of a request: what the target must check, and where the
+// initiator's side of the bytes lies in the initiator's address space.
+struct WireSegment {
+  RemoteAccessRequest remote;
+  uint64_t address = 0;
+};
+
+struct Request {
+  Op op = Op::kWriteReq;
+  uint64_t id = 0;
+  std::vector<WireSegment> segments;
+  // NOTIFY_REQ always, WRITE_REQ with kFlagNotification: deliver after the
+  // copy (the payload may be empty).
+  bool has_notification = false;
+  Bytes notification;
+  // Set by a CANCEL that arrived while the request waited for a copy worker.
+  bool cancelled = false;
+};
+
+// CANCEL body: u32 count, u32 reserved 0, count × u64 request id.
+constexpr uint32_t kMaxCancelIds = 1 << 16;
+Bytes encode_cancel(std::span<const uint64_t> ids);
+Result<std::vector<uint64_t>> decode_cancel(ByteView body);
+
+struct Response {
+  uint64_t id = 0;
+  Status status;
+};
+
+struct Hello {
+  uint64_t engine_id = 0;
+  uint64_t expected_engine_id = 0;
+  uint64_t probe_address = 0;
+  uint32_t probe_length = kProbeBytes;
+  uint64_t probe_value = 0;
+};
+
+struct HelloAck {
+  Status status;
+  uint64_t engine_id = 0;
+  uint64_t probe_address = 0;
+  uint32_t probe_length = kProbeBytes;
+  uint64_t probe_value = 0;
+};
+
+// Encoders return whole frames (header + body), ready to send.
+// `has_notification` applies to WRITE_REQ (NOTIFY_REQ always has one,
+// READ_REQ never).
+Bytes encode_request(Op op, uint64_t id, std::span<const WireSegment> segments,
+                     bool has_notification, ByteView notification);
+Bytes encode_response(uint64_t id, const Status& status);
+Bytes encode_hello(const Hello& hello);
+Bytes encode_hello_ack(const HelloAck& ack);
+Bytes encode_hello_done(const Status& status);
+
+// Decoders take the body of a frame whose header decode_header accepted.
+Result<Request> decode_request(const FrameHeader& header, ByteView body);
+Result<Response> decode_response(ByteView body);
+Result<Hello> decode_hello(ByteView body);
+Result<HelloAck> decode_hello_ack(ByteView body);
+// HELLO_DONE carries a status: the decode error is returned, the carried
+// status lands in *carried.
+Status decode_hello_done(ByteView body, Status* carried);
+
+// The transport's address in engine metadata: where the listener is, and the
+// pid for messages only (the connection's real pid comes from SO_PEERCRED).
+//   u8 format (1) | u8 reserved | u16 path length | u32 pid | path bytes
+struct ShmAddress {
+  std::string socket_path;
+  uint32_t pid = 0;
+};
+constexpr uint8_t kAddressFormat = 1;
+constexpr size_t kMaxSocketPath = 107;  // sun_path holds 108 bytes with the NUL
+Bytes encode_address(const ShmAddress& address);
+Result<ShmAddress> decode_address(ByteView bytes);
+
+}  // namespace ferry::shm
