@@ -5,6 +5,7 @@
 #include <sodium.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -129,6 +130,7 @@ class Engine::Impl {
   }
 
   ~Impl() {
+    closing_.store(true);
     transports_.shutdown(err::Cancelled("engine shut down"));
     transfers_.fail_all(err::Cancelled("engine shut down"));
   }
@@ -153,10 +155,13 @@ class Engine::Impl {
   }
   void on_peer_down(std::string_view transport, PeerId peer, const Status& reason) {
     transports_.note_unused(peer, transport, fmt::format("connection lost: {}", reason.message()));
-    if (transports_.connected(peer)) {
-      // Another transport still reaches the peer: say so, never slow down silently.
-      spdlog::warn("ferry: peer {}: {} connection lost ({}); its traffic moves to {}", hex_id(peer),
-                   transport, reason.message(), describe_routes(peer));
+    if (!closing_.load() && transports_.connected(peer)) {
+      // Another transport still reaches the peer: say so, never slow down
+      // silently. A peer closing its connections as it exits is no news.
+      const auto level = reason.code() == StatusCode::kPeerDisconnected ? spdlog::level::info
+                                                                        : spdlog::level::warn;
+      spdlog::log(level, "ferry: peer {}: {} connection lost ({}); its traffic moves to {}",
+                  hex_id(peer), transport, reason.message(), describe_routes(peer));
     }
     std::lock_guard lock(peers_mu_);
     lost_[peer] = reason.message();
@@ -167,8 +172,9 @@ class Engine::Impl {
     std::vector<std::string> parts;
     for (MemoryRoute route : {MemoryRoute::kHostOnly, MemoryRoute::kCuda}) {
       auto t = transports_.choose(peer, route);
-      parts.push_back(fmt::format("{} over {}", memory_route_name(route),
-                                  t.ok() ? std::string((*t)->name()) : std::string("no transport")));
+      parts.push_back(
+          fmt::format("{} over {}", memory_route_name(route),
+                      t.ok() ? std::string((*t)->name()) : std::string("no transport")));
     }
     return fmt::format("{}, {}", parts[0], parts[1]);
   }
@@ -353,6 +359,7 @@ class Engine::Impl {
   }
 
   uint64_t id_ = 0;
+  std::atomic<bool> closing_{false};
   std::string host_id_;
   OptionSet options_;
   RegionRegistry registry_;
