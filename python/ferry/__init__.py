@@ -61,7 +61,9 @@ from ._metadata import MetadataInfo, parse_metadata
 
 _ferry._set_error_classes({int(code): cls for code, cls in ERROR_CLASSES.items()})
 
-__version__ = "0.1.0"
+# The library's version (CMakeLists.txt's project() line, the one place it is
+# written); the wheel's version is the same number.
+__version__ = version()
 
 __all__ = [
     "ACCESS_READ", "ACCESS_READ_WRITE", "ACCESS_WRITE", "DESCRIPTOR_SIZE",
