@@ -12,6 +12,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "core/stage_trace.h"
 #include "ferry/status.h"
 #include "ferry/types.h"
 
@@ -52,6 +53,10 @@ class Transfer {
   // Payload of a notification sent after the write completes (empty: none).
   Bytes notification;
   bool has_notification = false;
+  // Stage trace (core/stage_trace.h): null unless the transport traces this
+  // transfer. Set by the transport before any of its frames is published,
+  // never reset while the transfer lives; marked from any thread.
+  std::unique_ptr<StageTrace> trace;
 
   // --- cancellation ----------------------------------------------------------
   // An I/O thread holds io_mu while it places bytes into the caller's local

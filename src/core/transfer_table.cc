@@ -16,6 +16,8 @@ bool Transfer::complete(Status status) {
     std::lock_guard lock(mu_);
     if (finished_.load(std::memory_order_relaxed)) return false;
     status_ = std::move(status);
+    // Logged before waiters can see the transfer finished.
+    if (trace) trace->finish(id_, peer_, static_cast<uint8_t>(op_), bytes, status_.code());
     finished_.store(true, std::memory_order_release);
   }
   cv_.notify_all();

@@ -14,10 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "core/stage_trace.h"
 #include "ferry/engine.h"
 #include "ferry/gpu.h"
 #include "target_process.h"
 #include "tcp_gpu_common.h"
+#include "trace_expect.h"
 
 namespace ferry {
 namespace {
@@ -272,6 +274,61 @@ TEST_F(TcpGpuSmallStaging, ReadsInFlightTogetherShareTwoSlots) {
     ASSERT_EQ(
         0, std::memcmp(got.data() + i * (8u << 20), image.data() + (3 - i) * (8u << 20), 8u << 20))
         << "read " << i << " differs";
+  }
+}
+
+}  // namespace
+}  // namespace ferry
+
+namespace ferry {
+namespace {
+
+// The stage trace (docs/trace.md) with GPU memory on either side: every
+// transfer logged, its staging stages present exactly where GPU memory is
+// (stage copies for writes from GPU, target copies for GPU on the target,
+// landing copies for reads into GPU), every stage in non-decreasing order --
+// the target's stages come from the other process, on the same clock.
+class TcpGpuTraced : public TcpGpuMemory {
+ protected:
+  void SetUp() override {
+    setenv("FERRY_TCP_TRACE", "true", 1);
+    setenv("FERRY_ENGINE_TRANSPORTS", "tcp", 1);  // host->host over tcp too, as the reference
+    TcpGpuMemory::SetUp();
+  }
+  void TearDown() override {
+    TcpGpuMemory::TearDown();
+    unsetenv("FERRY_TCP_TRACE");
+    unsetenv("FERRY_ENGINE_TRANSPORTS");
+  }
+};
+
+TEST_F(TcpGpuTraced, StagesOfEveryDirectionPresentAndInOrder) {
+  (void)take_engine_traces(engine_->id());
+  std::vector<Case> cases;
+  for (bool write : {true, false}) {
+    for (int kinds = 0; kinds < 4; ++kinds) {
+      for (auto [block, batch] : std::vector<std::pair<uint64_t, size_t>>{
+               {4096, 1}, {65536, 1}, {262144, 1}, {4096, 64}, {(1u << 20) + 3, 3}}) {
+        cases.push_back({(kinds & 1) != 0, (kinds & 2) != 0, write, block, batch});
+      }
+    }
+  }
+  uint64_t seed = 900;
+  for (const Case& c : cases) {
+    run(c, ++seed);
+    if (HasFatalFailure()) return;
+  }
+  const auto records = take_engine_traces(engine_->id());
+  ASSERT_EQ(records.size(), cases.size()) << "one record per blocking transfer";
+  for (size_t i = 0; i < cases.size(); ++i) {  // blocking: logged in call order
+    const Case& c = cases[i];
+    const TraceRecord& r = records[i];
+    SCOPED_TRACE(name(c) + ": " + tracetest::describe(r));
+    EXPECT_EQ(r.op, static_cast<uint8_t>(c.write ? TransferOp::kWrite : TransferOp::kRead));
+    EXPECT_EQ(r.local_gpu, c.local_gpu);
+    EXPECT_EQ(r.remote_gpu, c.remote_gpu);
+    EXPECT_EQ(r.bytes, c.block * c.batch);
+    for (const auto& problem : tracetest::check_tcp_record(r)) ADD_FAILURE() << problem;
   }
 }
 

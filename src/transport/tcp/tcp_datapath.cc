@@ -88,6 +88,46 @@ Status status_from_wire(uint32_t code, std::string message) {
   return Status(static_cast<StatusCode>(code), std::move(message));
 }
 
+// --- stage trace (core/stage_trace.h, docs/trace.md) ---
+
+// A response's trace trailer (wire.h TraceTrailerHead + the stamps).
+void append_trailer(std::vector<uint8_t>& aux, const TargetStamps& stamps) {
+  const TraceTrailerHead head{kTraceTrailerStages, 0};
+  const auto* h = reinterpret_cast<const uint8_t*>(&head);
+  aux.insert(aux.end(), h, h + sizeof head);
+  const auto* v = reinterpret_cast<const uint8_t*>(stamps.data());
+  aux.insert(aux.end(), v, v + sizeof(int64_t) * stamps.size());
+}
+
+// Sets one stamp in the trailer of a traced response frame (in place: the
+// frame's cursor points at its aux, which is not resized).
+void put_stamp(TxFrame& f, TraceStage stage, int64_t ns) {
+  if (!f.traced) return;
+  std::memcpy(f.aux.data() + sizeof(TraceTrailerHead) + sizeof(int64_t) * target_stamp(stage), &ns,
+              sizeof ns);
+}
+
+TargetStamps stamps_of(const TxFrame& f) {
+  TargetStamps st{};
+  std::memcpy(st.data(), f.aux.data() + sizeof(TraceTrailerHead), sizeof st);
+  return st;
+}
+
+// A traced frame starts onto the socket (called just before the sendmsg
+// carrying its first byte, so that the peer cannot have received it earlier).
+void note_send_start(TxFrame& f) {
+  const int64_t now = trace_now_ns();
+  if (f.pending) {  // a request of a traced transfer
+    if (StageTrace* t = f.pending->transfer->trace.get()) {
+      t->mark(TraceStage::kFirstFrameSent, now);
+      t->mark(TraceStage::kLastFrameSent, now);
+      t->count_frame();
+    }
+    return;
+  }
+  put_stamp(f, TraceStage::kResponseSent, now);
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ post ---
@@ -161,6 +201,7 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
   auto planned = plan_post(peer, segments);
   if (!planned.ok()) return planned.status();
   const PostPlan& plan = *planned;
+  const bool traced = begin_trace(*transfer, &segments);
   std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> built;
   std::unique_ptr<TxFrame> f;
   std::vector<Piece> pieces;
@@ -168,6 +209,10 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
     f = std::make_unique<TxFrame>();
     f->header = make_header(Op::kWrite, transfer->id());
     f->transfer = transfer;
+    if (traced) {
+      f->header.flags |= kFlagTrace;
+      f->traced = true;
+    }
     pieces.clear();
   };
   open();
@@ -188,6 +233,7 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
         f->pending = std::make_shared<Pending>();
         f->pending->expect = Op::kWriteAck;
         f->pending->transfer = transfer;
+        f->pending->traced = traced;
         built.emplace_back(std::move(f), pieces);
         open();
       });
@@ -228,7 +274,9 @@ void TcpTransport::post_staged(
       auto copies = stage_pieces((*frame)->cursor, *pieces, slot->data(), true);
       (*frame)->slot = std::move(slot);
       transfer->tx_begin();  // the copy reads the caller's GPU memory
+      if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopySubmitted);
       path->copy_then(std::move(copies), [this, transfer, stream, frame](Status st) {
+        if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopyDone);
         transfer->tx_end();
         if (!st.ok()) {
           fail_transfer(*transfer, st);
@@ -248,15 +296,21 @@ Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& tra
   auto planned = plan_post(peer, segments);
   if (!planned.ok()) return planned.status();
   const PostPlan& plan = *planned;
+  const bool traced = begin_trace(*transfer, &segments);
   std::vector<std::unique_ptr<TxFrame>> frames;
   std::unique_ptr<TxFrame> f;
   std::shared_ptr<Pending> p;
   auto open = [&] {
     f = std::make_unique<TxFrame>();
     f->header = make_header(Op::kReadRequest, transfer->id());
+    if (traced) {
+      f->header.flags |= kFlagTrace;
+      f->traced = true;
+    }
     p = std::make_shared<Pending>();
     p->expect = Op::kReadResponse;
     p->transfer = transfer;
+    p->traced = traced;
   };
   open();
   cut_frames(
@@ -296,6 +350,13 @@ Status TcpTransport::post_notification(PeerId peer, const std::shared_ptr<Transf
   }
   auto f = std::make_unique<TxFrame>();
   f->header = make_header(Op::kNotify, transfer->id());
+  // A write's notification is not traced as frames of its own: its round
+  // trip shows as response_received -> completed of the write.
+  const bool traced = !transfer->trace && begin_trace(*transfer, nullptr);
+  if (traced) {
+    f->header.flags |= kFlagTrace;
+    f->traced = true;
+  }
   f->aux = std::move(payload);
   f->header.aux_bytes = static_cast<uint32_t>(f->aux.size());
   f->cursor.add(&f->header, sizeof f->header);
@@ -303,6 +364,7 @@ Status TcpTransport::post_notification(PeerId peer, const std::shared_ptr<Transf
   f->pending = std::make_shared<Pending>();
   f->pending->expect = Op::kNotifyAck;
   f->pending->transfer = transfer;
+  f->pending->traced = traced;
   transfer->outstanding.store(1);
   std::vector<std::unique_ptr<TxFrame>> frames;
   frames.push_back(std::move(f));
@@ -373,6 +435,8 @@ bool TcpTransport::flush_locked(Stream& s, Status* error) {
       }
       f.started = true;
       if (f.transfer) f.transfer->tx_begin();
+      if (f.traced) [[unlikely]]
+        note_send_start(f);
     }
     msghdr msg{};
     msg.msg_iov = iov;
@@ -409,13 +473,19 @@ void TcpTransport::on_writable(Stream& s) {
   flush(s);
 }
 
-std::unique_ptr<TxFrame> TcpTransport::make_response(Op op, TransferId id, const Status& status) {
+std::unique_ptr<TxFrame> TcpTransport::make_response(Op op, TransferId id, const Status& status,
+                                                     const TargetStamps* stamps) {
   auto f = std::make_unique<TxFrame>();
   f->header = make_header(op, id);
   f->header.status = static_cast<uint32_t>(status.code());
+  if (stamps != nullptr) [[unlikely]] {
+    f->header.flags |= kFlagTrace;
+    f->traced = true;
+    append_trailer(f->aux, *stamps);
+  }
   if (!status.ok()) {
     const std::string& m = status.message();
-    f->aux.assign(m.begin(),
+    f->aux.insert(f->aux.end(), m.begin(),
                   m.begin() + static_cast<long>(std::min<size_t>(m.size(), kMaxErrorMessage)));
   }
   f->header.aux_bytes = static_cast<uint32_t>(f->aux.size());
@@ -425,7 +495,7 @@ std::unique_ptr<TxFrame> TcpTransport::make_response(Op op, TransferId id, const
 }
 
 void TcpTransport::send_response(Stream& s, Op op, TransferId id, const Status& status) {
-  respond(s, make_response(op, id, status));
+  respond(s, make_response(op, id, status, s.rx_traced ? &s.rx_stamps : nullptr));
 }
 
 void TcpTransport::respond(Stream& s, std::unique_ptr<TxFrame> frame) {
@@ -583,14 +653,46 @@ void TcpTransport::release_revoked(Stream& s) {
     }
     const auto op = static_cast<Op>(f->header.op);
     const TransferId id = f->header.transfer_id;
+    const TargetStamps stamps = f->traced ? stamps_of(*f) : TargetStamps{};
     f = make_response(op, id,
                       err::NotFound(fmt::format("region {} was deregistered before the {} bytes "
                                                 "of read {} were sent",
-                                                r->info.id, f->header.payload_bytes, id)));
+                                                r->info.id, f->header.payload_bytes, id)),
+                      f->traced ? &stamps : nullptr);
   }
 }
 
 // ------------------------------------------------------------ completion ---
+
+bool TcpTransport::begin_trace(Transfer& t, const std::vector<Segment>* segments) {
+  if (!opt_.trace) return false;
+  if (!t.trace) {  // a write's notification reuses the write's trace
+    t.trace = std::make_unique<StageTrace>(trace_log_);
+    if (segments != nullptr)
+      t.trace->set_memory(any_gpu(*segments, true), any_gpu(*segments, false));
+  }
+  t.trace->mark(TraceStage::kPosted);
+  return true;
+}
+
+void TcpTransport::absorb_trailer(const Stream& s, const Pending& p, bool payload_follows) {
+  StageTrace* trace = p.transfer->trace.get();
+  if (!p.traced || trace == nullptr) return;
+  if (s.rx_trailer > 0) {
+    TraceTrailerHead head;
+    std::memcpy(&head, s.aux.data(), sizeof head);
+    const size_t n = std::min<size_t>(head.stages, kTraceTrailerStages);
+    for (size_t i = 0; i < n; ++i) {
+      int64_t ns;
+      std::memcpy(&ns, s.aux.data() + sizeof head + sizeof ns * i, sizeof ns);
+      if (ns != 0) {
+        trace->mark(static_cast<TraceStage>(static_cast<size_t>(TraceStage::kFrameReceived) + i),
+                    ns);
+      }
+    }
+  }
+  if (!payload_follows) trace->mark(TraceStage::kResponseReceived);
+}
 
 void TcpTransport::on_response(const std::shared_ptr<Pending>& p, const Status& status) {
   if (!status.ok()) p->transfer->note_error(status);
@@ -680,6 +782,13 @@ ssize_t receive(int fd, void* p, size_t n, Status* why) {
 }
 }  // namespace
 
+namespace {
+// A response's error message: its aux after the trace trailer.
+std::string response_message(const Stream& s) {
+  return std::string(s.aux.begin() + static_cast<long>(s.rx_trailer), s.aux.end());
+}
+}  // namespace
+
 bool TcpTransport::rx_header(Stream& s) {
   Status why;
   const ssize_t r = receive(s.fd, s.head + s.head_got, sizeof(FrameHeader) - s.head_got, &why);
@@ -696,6 +805,11 @@ bool TcpTransport::rx_header(Stream& s) {
     spdlog::warn("ferry tcp: closing {}: {}", peer_name(s), v.message());
     fail_stream(s, v);
     return false;
+  }
+  s.rx_traced = (s.hdr.flags & kFlagTrace) && is_request(static_cast<Op>(s.hdr.op));
+  if (s.rx_traced) [[unlikely]] {
+    s.rx_stamps = {};
+    s.rx_stamps[target_stamp(TraceStage::kFrameReceived)] = trace_now_ns();
   }
   s.aux.resize(s.hdr.aux_bytes);
   s.aux_got = 0;
@@ -728,6 +842,14 @@ Status TcpTransport::on_frame(Stream& s) {
   if (is_request(static_cast<Op>(s.hdr.op)) && s.group.expired()) {
     return err::ProtocolError("request before the handshake completed");
   }
+  s.rx_trailer = 0;
+  if (s.hdr.flags & kFlagTrace) [[unlikely]] {
+    if (!is_request(static_cast<Op>(s.hdr.op))) {
+      auto size = trace_trailer_size(s.hdr, s.aux);
+      if (!size.ok()) return size.status();
+      s.rx_trailer = *size;
+    }
+  }
   switch (static_cast<Op>(s.hdr.op)) {
     case Op::kWrite:
       return begin_write(s);
@@ -745,13 +867,14 @@ Status TcpTransport::on_frame(Stream& s) {
     case Op::kNotifyAck: {
       std::shared_ptr<Pending> p;
       if (Status st = take_response(s, static_cast<Op>(s.hdr.op), &p, true); !st.ok()) return st;
+      absorb_trailer(s, *p, false);
       Status result;
       if (s.hdr.status != 0) {
         result = status_from_wire(
             s.hdr.status,
             fmt::format("{} refused {} of transfer {}: {}", peer_name(s),
                         s.hdr.op == static_cast<uint8_t>(Op::kWriteAck) ? "write" : "notification",
-                        s.hdr.transfer_id, std::string(s.aux.begin(), s.aux.end())));
+                        s.hdr.transfer_id, response_message(s)));
       }
       on_response(p, result);
       return Status::Ok();
@@ -849,8 +972,15 @@ Status TcpTransport::serve_read(Stream& s) {
   const TransferId id = s.hdr.transfer_id;
   auto f = std::make_unique<TxFrame>();
   f->header = make_header(Op::kReadResponse, id);
-  f->cursor.reserve(1 + segs.size());
+  f->cursor.reserve(2 + segs.size());
   f->cursor.add(&f->header, sizeof f->header);
+  if (s.rx_traced) [[unlikely]] {
+    f->header.flags |= kFlagTrace;
+    f->traced = true;
+    append_trailer(f->aux, s.rx_stamps);
+    f->header.aux_bytes = static_cast<uint32_t>(f->aux.size());
+    f->cursor.add(f->aux.data(), f->aux.size());
+  }
   std::vector<Piece> pieces;
   pieces.reserve(segs.size());
   bool gpu_source = false;
@@ -897,20 +1027,34 @@ Status TcpTransport::serve_read(Stream& s) {
   auto shared_pieces = std::make_shared<std::vector<Piece>>(std::move(pieces));
   GpuPath* gp = *path;
   auto stage = [this, gp, self, d, frame, shared_pieces, id](std::unique_ptr<StagingSlot> slot) {
-    if (Region* r = first_revoked((*frame)->pins)) {  // deregistered while it waited
-      complete_deferred(*self, d,
-                        make_response(Op::kReadResponse, id,
-                                      err::NotFound(fmt::format(
-                                          "region {} was deregistered before the {} "
-                                          "bytes of read {} were sent",
-                                          r->info.id, (*frame)->header.payload_bytes, id))));
+    TxFrame& fr = **frame;
+    const TargetStamps* stamps = nullptr;
+    TargetStamps copied{};
+    if (fr.traced) {
+      copied = stamps_of(fr);
+      stamps = &copied;
+    }
+    if (Region* r = first_revoked(fr.pins)) {  // deregistered while it waited
+      complete_deferred(
+          *self, d,
+          make_response(Op::kReadResponse, id,
+                        err::NotFound(fmt::format("region {} was deregistered before the {} "
+                                                  "bytes of read {} were sent",
+                                                  r->info.id, fr.header.payload_bytes, id)),
+                        stamps));
       return;
     }
-    auto copies = stage_pieces((*frame)->cursor, *shared_pieces, slot->data(), true);
-    (*frame)->slot = std::move(slot);
+    auto copies = stage_pieces(fr.cursor, *shared_pieces, slot->data(), true);
+    fr.slot = std::move(slot);
+    if (fr.traced) put_stamp(fr, TraceStage::kTargetCopySubmitted, trace_now_ns());
     gp->copy_then(std::move(copies), [this, self, d, frame, id](Status st) {
-      complete_deferred(*self, d,
-                        st.ok() ? std::move(*frame) : make_response(Op::kReadResponse, id, st));
+      TxFrame& done = **frame;
+      if (done.traced) put_stamp(done, TraceStage::kTargetCopyDone, trace_now_ns());
+      const TargetStamps kept = done.traced ? stamps_of(done) : TargetStamps{};
+      complete_deferred(
+          *self, d,
+          st.ok() ? std::move(*frame)
+                  : make_response(Op::kReadResponse, id, st, done.traced ? &kept : nullptr));
     });
   };
   if (auto slot = gp->slot_or_later(stage)) stage(std::move(slot));
@@ -921,11 +1065,11 @@ Status TcpTransport::begin_read_response(Stream& s) {
   std::shared_ptr<Pending> p;
   const bool ok = s.hdr.status == 0;
   if (Status st = take_response(s, Op::kReadResponse, &p, !ok); !st.ok()) return st;
+  absorb_trailer(s, *p, ok);
   if (!ok) {
-    on_response(
-        p, status_from_wire(s.hdr.status, fmt::format("{} refused read of transfer {}: {}",
-                                                      peer_name(s), s.hdr.transfer_id,
-                                                      std::string(s.aux.begin(), s.aux.end()))));
+    on_response(p, status_from_wire(s.hdr.status,
+                                    fmt::format("{} refused read of transfer {}: {}", peer_name(s),
+                                                s.hdr.transfer_id, response_message(s))));
     return Status::Ok();
   }
   if (s.hdr.payload_bytes != p->payload_bytes) {
@@ -1059,6 +1203,8 @@ void TcpTransport::finish_payload(Stream& s) {
       std::lock_guard lock(s.tx_mu);
       if (!s.pending.empty() && s.pending.front() == p) s.pending.pop_front();
     }
+    StageTrace* trace = p->traced ? p->transfer->trace.get() : nullptr;
+    if (trace) trace->mark(TraceStage::kResponseReceived);
     if (p->slot) {
       Transfer& t = *p->transfer;
       {
@@ -1070,7 +1216,9 @@ void TcpTransport::finish_payload(Stream& s) {
         }
         t.tx_begin();  // the copy writes the caller's GPU memory; cancel waits
       }
+      if (trace) trace->mark(TraceStage::kLandCopySubmitted);
       gpu_->copy_then(std::move(p->h2d), [this, p](Status st) {
+        if (StageTrace* tr = p->transfer->trace.get()) tr->mark(TraceStage::kLandCopyDone);
         p->slot.reset();
         p->transfer->tx_end();
         on_response(p, st);
@@ -1080,6 +1228,7 @@ void TcpTransport::finish_payload(Stream& s) {
     on_response(p, Status::Ok());
     return;
   }
+  if (s.rx_traced) s.rx_stamps[target_stamp(TraceStage::kPayloadReceived)] = trace_now_ns();
   if (s.slot) {
     // Placed in the staging slot; acknowledge once it is on the device.
     auto d = defer(s);
@@ -1087,10 +1236,14 @@ void TcpTransport::finish_payload(Stream& s) {
         std::move(s.pins), std::move(s.slot));
     auto self = s.shared_from_this();
     const TransferId id = s.hdr.transfer_id;
-    gpu_->copy_then(std::move(s.h2d), [this, self, d, keep, id](Status st) {
+    const bool traced = s.rx_traced;
+    TargetStamps stamps = s.rx_stamps;
+    if (traced) stamps[target_stamp(TraceStage::kTargetCopySubmitted)] = trace_now_ns();
+    gpu_->copy_then(std::move(s.h2d), [this, self, d, keep, id, traced, stamps](Status st) mutable {
       keep->first.clear();
       keep->second.reset();
-      complete_deferred(*self, d, make_response(Op::kWriteAck, id, st));
+      if (traced) stamps[target_stamp(TraceStage::kTargetCopyDone)] = trace_now_ns();
+      complete_deferred(*self, d, make_response(Op::kWriteAck, id, st, traced ? &stamps : nullptr));
     });
     return;
   }

@@ -42,6 +42,11 @@ const OptionSpec kTcpOptionSpecs[] = {
      2 << 20, 16ull << 30},
     {"tcp.gpu_sm_budget", OptionType::kUint, "4",
      "SMs the staging copy kernel may use for small pieces (0: copy engine only)", 0, 1024},
+    {"tcp.trace", OptionType::kBool, "false",
+     "stage trace of every transfer this engine initiates (posted, staging copies, frames "
+     "sent, the target's stages, response, completed; docs/trace.md); off costs one branch"},
+    {"tcp.trace_keep", OptionType::kUint, "4096",
+     "finished traced transfers kept for reading (the last N)", 1, 1u << 20},
 };
 const size_t kTcpOptionSpecCount = std::size(kTcpOptionSpecs);
 
@@ -302,6 +307,9 @@ Status TcpTransport::start(const TransportContext& context) {
   opt_.rcvbuf = static_cast<int>(o.get_uint("tcp.rcvbuf"));
   opt_.gpu_staging_bytes = o.get_uint("tcp.gpu_staging_bytes");
   opt_.gpu_sm_budget = static_cast<uint32_t>(o.get_uint("tcp.gpu_sm_budget"));
+  opt_.trace = o.get_bool("tcp.trace");
+  opt_.trace_keep = o.get_uint("tcp.trace_keep");
+  if (opt_.trace) trace_log_ = trace_log_for(ctx_.engine_id, opt_.trace_keep);
   // Thread names tell engines of one process apart: ferry0-io-0, ferry1-io-0...
   static std::atomic<int> engines_started{0};
   thread_prefix_ = fmt::format("ferry{}", engines_started.fetch_add(1));

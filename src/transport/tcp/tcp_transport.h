@@ -15,6 +15,7 @@
 
 #include <sys/epoll.h>
 
+#include <array>
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -26,6 +27,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/stage_trace.h"
 #include "transport/tcp/gpu_path.h"
 #include "transport/tcp/iov_cursor.h"
 #include "transport/tcp/socket_util.h"
@@ -45,7 +47,17 @@ struct TcpOptions {
   int rcvbuf = 0;
   uint64_t gpu_staging_bytes = 64 << 20;
   uint32_t gpu_sm_budget = 4;
+  bool trace = false;  // tcp.trace: stage trace of every transfer this engine initiates
+  uint64_t trace_keep = 4096;
 };
+
+// The target's stage times for one request frame, in trailer order (wire.h
+// TraceTrailerHead): indices are TraceStage - kFrameReceived.
+using TargetStamps = std::array<int64_t, kTraceTrailerStages>;
+constexpr size_t target_stamp(TraceStage stage) {
+  return static_cast<size_t>(stage) - static_cast<size_t>(TraceStage::kFrameReceived);
+}
+static_assert(target_stamp(TraceStage::kResponseSent) + 1 == kTraceTrailerStages);
 
 // A piece of local memory in a frame; device >= 0 for GPU memory.
 struct Piece {
@@ -63,6 +75,7 @@ struct Pending {
   IovCursor read_into;  // READ: where the response payload goes
   uint64_t payload_bytes = 0;
   bool dropped = false;  // frame never sent (transfer cancelled); guarded by tx_mu
+  bool traced = false;   // the request asked for a stage trace
   // READ into GPU memory: the pieces, and once the response arrives the
   // staging slot it lands in and the host→device copies that follow.
   std::vector<Piece> gpu_pieces;
@@ -80,6 +93,10 @@ struct TxFrame {
   std::unique_ptr<StagingSlot> slot;   // staged GPU bytes of the payload
   std::vector<uint8_t> detached;       // unsent rest, copied out at cancel()
   bool started = false;
+  // Stage trace: a request of a traced transfer (marks its frame_sent
+  // stages), or a response whose aux starts with a trace trailer (gets its
+  // response_sent time when it starts onto the socket).
+  bool traced = false;
 };
 
 // A response whose place in the stream's answer order is reserved while GPU
@@ -139,6 +156,11 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   std::unique_ptr<StagingSlot> slot;  // WRITE into GPU memory: payload lands here
   std::vector<DeviceCopy> h2d;        // ... and is copied to the device after
   std::vector<Piece> wait_pieces;     // a WRITE's pieces while it waits for a slot
+  // The request being received asked for a stage trace (kFlagTrace): its
+  // target stage times so far, sent back in its response's trailer.
+  bool rx_traced = false;
+  TargetStamps rx_stamps{};
+  size_t rx_trailer = 0;  // a response's trace trailer bytes at the start of aux
 };
 
 struct Group {
@@ -272,8 +294,12 @@ class TcpTransport final : public Transport {
   // Sends queued frames until EAGAIN; tx_mu held. False: the stream failed.
   bool flush_locked(Stream& s, Status* error);
   void flush(Stream& s);
+  // Answers the request now in `s` (its trace stamps, if it asked for them).
   void send_response(Stream& s, Op op, TransferId id, const Status& status);
-  static std::unique_ptr<TxFrame> make_response(Op op, TransferId id, const Status& status);
+  // `stamps` non-null: the request asked for a stage trace; the response
+  // carries them in a trailer.
+  static std::unique_ptr<TxFrame> make_response(Op op, TransferId id, const Status& status,
+                                                const TargetStamps* stamps = nullptr);
   // Sends a response now, or behind responses still waiting for GPU copies.
   void respond(Stream& s, std::unique_ptr<TxFrame> frame);
   std::shared_ptr<Deferred> defer(Stream& s);
@@ -285,6 +311,13 @@ class TcpTransport final : public Transport {
                    std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> frames);
   void on_response(const std::shared_ptr<Pending>& p, const Status& status);
   void finish_unit(const std::shared_ptr<Transfer>& t);
+  // Stage trace: starts `t`'s trace when tcp.trace is on (true: its frames
+  // ask for the target's stamps).
+  bool begin_trace(Transfer& t, const std::vector<Segment>* segments);
+  // The response to traced request `p` arrived on `s`: merges the target's
+  // stamps from its trailer, then marks response_received unless
+  // `payload_follows`.
+  static void absorb_trailer(const Stream& s, const Pending& p, bool payload_follows);
   void fail_transfer(Transfer& t, const Status& status);
 
   // Receive-side steps; each returns false when the socket would block or the
@@ -319,6 +352,7 @@ class TcpTransport final : public Transport {
   std::mutex gpu_mu_;
   std::unique_ptr<GpuPath> gpu_;
   Status gpu_error_;
+  std::shared_ptr<TraceLog> trace_log_;  // tcp.trace on: where finished traces go
 };
 
 }  // namespace ferry::tcp

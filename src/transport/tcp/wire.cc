@@ -1,5 +1,7 @@
 #include "transport/tcp/wire.h"
 
+#include <cstring>
+
 #include "fmt/format.h"
 
 namespace ferry::tcp {
@@ -51,7 +53,7 @@ Status validate_header(const FrameHeader& h) {
     case Op::kWriteAck:
     case Op::kNotifyAck:
     case Op::kReadResponse:
-      if (h.aux_bytes > kMaxErrorMessage) {
+      if (h.aux_bytes > kMaxErrorMessage + ((h.flags & kFlagTrace) ? kMaxTraceTrailerBytes : 0)) {
         return err::ProtocolError(
             fmt::format("{} frame with a {}-byte message", op_name(h.op), h.aux_bytes));
       }
@@ -68,6 +70,20 @@ Status validate_header(const FrameHeader& h) {
       return Status::Ok();
   }
   return err::ProtocolError(fmt::format("unknown opcode {}", h.op));
+}
+
+Result<size_t> trace_trailer_size(const FrameHeader& h, std::span<const uint8_t> aux) {
+  if ((h.flags & kFlagTrace) == 0) return size_t{0};
+  TraceTrailerHead head{};
+  if (aux.size() >= sizeof head) std::memcpy(&head, aux.data(), sizeof head);
+  const size_t size = sizeof head + size_t{8} * head.stages;
+  if (aux.size() < sizeof head || head.stages == 0 || head.stages > kMaxTraceTrailerStages ||
+      size > aux.size()) {
+    return err::ProtocolError(fmt::format(
+        "{} frame flagged with a stage trace trailer: {} bytes of aux, trailer of {} stages",
+        op_name(h.op), aux.size(), head.stages));
+  }
+  return size;
 }
 
 Status check_segments(const FrameHeader& h, std::span<const WireSegment> segments,

@@ -61,10 +61,17 @@ inline bool is_request(Op op) {
   return op == Op::kWrite || op == Op::kReadRequest || op == Op::kNotify;
 }
 
+// FrameHeader.flags. Frames of untraced transfers carry 0, as in version 1
+// before these bits existed (receivers of that version ignore flags).
+// kFlagTrace on a request: answer with a stage trace trailer. On a response:
+// its aux starts with a TraceTrailer (then the error message, if any). Only
+// a request that asked gets one, so a peer that never asks never sees it.
+constexpr uint8_t kFlagTrace = 0x01;
+
 struct FrameHeader {
   uint16_t magic;
   uint8_t op;
-  uint8_t flags;
+  uint8_t flags;   // kFlag*
   uint32_t count;  // segments in aux (WRITE, READ_REQUEST)
   uint64_t transfer_id;
   uint64_t payload_bytes;
@@ -85,6 +92,19 @@ struct WireSegment {
 };
 static_assert(sizeof(WireSegment) == 56);
 
+// The target's stage timestamps for one request frame (CLOCK_MONOTONIC ns,
+// 0: did not occur), in the order of TraceStage from kFrameReceived on:
+// frame_received, payload_received, target_copy_submitted, target_copy_done,
+// response_sent. A receiver reads the entries it knows and skips the rest.
+struct TraceTrailerHead {
+  uint32_t stages;  // int64 entries that follow, 1..kMaxTraceTrailerStages
+  uint32_t reserved;
+};
+static_assert(sizeof(TraceTrailerHead) == 8);
+constexpr uint32_t kTraceTrailerStages = 5;  // what this version sends
+constexpr uint32_t kMaxTraceTrailerStages = 16;
+constexpr uint32_t kMaxTraceTrailerBytes = sizeof(TraceTrailerHead) + 8 * kMaxTraceTrailerStages;
+
 // Hard limits a receiver enforces before trusting a header.
 constexpr uint32_t kMaxSegmentsPerFrame = 1024;
 constexpr uint64_t kMaxFramePayload = 256ull << 20;
@@ -96,6 +116,10 @@ constexpr uint32_t kMaxErrorMessage = 4096;
 Status validate_header(const FrameHeader& h);
 // Checks a WRITE / READ_REQUEST segment table: sizes add up without overflow
 // to the header's payload_bytes (WRITE) or to at most kMaxFramePayload.
+// The size of the trace trailer at the start of a response's aux (0 when
+// the header is not flagged kFlagTrace); ProtocolError if it does not fit.
+Result<size_t> trace_trailer_size(const FrameHeader& h, std::span<const uint8_t> aux);
+
 Status check_segments(const FrameHeader& h, std::span<const WireSegment> segments,
                       uint64_t* total_bytes);
 
