@@ -26,6 +26,7 @@ DEBIAN_PACKAGES=(
   libsodium-dev zlib1g-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev googletest iproute2 python3 python3-venv python3-dev
   clang libclang-rt-14-dev
+  etcd-server libcurl4-openssl-dev
 )
 
 install_debian_packages() {

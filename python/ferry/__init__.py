@@ -58,6 +58,7 @@ from ._errors import (
 )
 
 from ._metadata import MetadataInfo, parse_metadata
+from . import directory  # engines found by name: ferry.directory.attach / open (docs/directory.md)
 
 _ferry._set_error_classes({int(code): cls for code, cls in ERROR_CLASSES.items()})
 
