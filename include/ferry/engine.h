@@ -27,6 +27,14 @@ struct EngineConfig {
   // also be set by the environment as FERRY_<COMPONENT>_<NAME>; a value given
   // here wins over the environment. Unknown names and invalid values are errors.
   std::map<std::string, std::string> options;
+  // A metadata directory ("etcd://host:port/prefix", docs/directory.md) and
+  // this engine's name in it. With both set, create() publishes the engine's
+  // metadata under `name` (refused when a live engine holds it), connect(name)
+  // finds peers by name, and publish()/lookup() exchange descriptors by key.
+  // Everything published vanishes when the engine is destroyed or its process
+  // dies (a lease). Empty: no directory.
+  std::string directory;
+  std::string name;
 };
 
 // One line of `ferry-info --config`: an option with its effective value.
@@ -84,9 +92,14 @@ class Engine {
   // network one (tcp). Which one carries what, and why a faster one was not
   // taken, is logged and reported by peer_transports().
   Result<PeerId> connect(ByteView metadata);
-  // Connect by "host:port" (IPv4, [IPv6] or a name): the network transport
-  // only, since the peer's host identity is unknown without its metadata.
-  Result<PeerId> connect(std::string_view host_port);
+  // Connect by "host:port" (IPv4, [IPv6] or a host name): the network
+  // transport only, since the peer's host identity is unknown without its
+  // metadata. With a directory (EngineConfig::directory), a string without ':'
+  // is an engine name instead: its metadata is looked up there (waiting up to
+  // `wait` for it to appear) and every usable transport connects, as with
+  // connect(metadata).
+  Result<PeerId> connect(std::string_view host_port_or_name,
+                         std::chrono::milliseconds wait = std::chrono::milliseconds(0));
   // Peers that connected to us or that we connected to, alive now.
   std::vector<PeerId> peers() const;
   // The network address ("ip:port") of a connected peer's side of the
@@ -130,6 +143,15 @@ class Engine {
   // Stops the transfer: after this returns no more bytes move into local
   // memory for it; its final status is Cancelled (unless it already finished).
   Status cancel(TransferId transfer);
+
+  // --- directory (EngineConfig::directory) ----------------------------------
+  // This engine's name in the directory ("" without one).
+  const std::string& name() const;
+  // Publishes `descriptor` under (this engine's name, key).
+  Status publish(std::string_view key, const RemoteDescriptor& descriptor);
+  // The descriptor engine `name` published under `key`, waiting up to `wait`.
+  Result<RemoteDescriptor> lookup(std::string_view name, std::string_view key,
+                                  std::chrono::milliseconds wait = std::chrono::milliseconds(0));
 
   // --- notifications -------------------------------------------------------
   Status notify(PeerId peer, ByteView payload);

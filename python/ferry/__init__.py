@@ -27,7 +27,7 @@ from ._ferry import (
     ACCESS_WRITE,
     DESCRIPTOR_SIZE,
     Descriptor,
-    Engine,
+    Engine as _NativeEngine,
     MemoryKind,
     Peer,
     Region,
@@ -58,7 +58,66 @@ from ._errors import (
 )
 
 from ._metadata import MetadataInfo, parse_metadata
-from . import directory  # engines found by name: ferry.directory.attach / open (docs/directory.md)
+# Engines found by name: ferry.directory.attach / open (docs/directory.md).
+from . import directory
+from . import directory as directory_module  # Engine's `directory` argument hides the name
+
+
+
+class Engine(_NativeEngine):
+    """A Ferry engine (see _ferry.Engine for every method).
+
+    ``directory=`` and ``name=`` publish the engine under a name: an
+    ``"etcd://host:port/prefix"`` URL is handled by the C++ engine; a
+    torch.distributed store (or any object with set/get/check) goes through
+    ``ferry.directory``. Either way ``connect("prefill-0")`` finds a peer by
+    name, ``publish(key, descriptor)`` and ``lookup(name, key)`` exchange
+    descriptors, and the entries vanish with the engine.
+    """
+
+    def __init__(self, listen="127.0.0.1:0", options=None, *, directory=None, name=None, **opts):
+        self._named = None
+        if directory is None or isinstance(directory, str):
+            if directory is not None:
+                opts["directory"] = directory
+            if name is not None:
+                opts["name"] = name
+            super().__init__(listen, options, **opts)
+            return
+        if not name:
+            raise InvalidArgument("Engine(directory=<store>) needs name= as well")
+        super().__init__(listen, options, **opts)
+        self._named = directory_module.attach(self, directory, name)
+
+    @property
+    def name(self) -> str:
+        return self._named.name if self._named else super().name
+
+    def connect(self, target, timeout: float = 0.0):
+        if self._named and isinstance(target, str) and ":" not in target:
+            return self._named.connect(target, timeout=timeout)
+        return super().connect(target, timeout)
+
+    def publish(self, key: str, descriptor) -> None:
+        if self._named:
+            self._named.publish(key, bytes(descriptor))
+        else:
+            super().publish(key, descriptor)
+
+    def lookup(self, name: str, key: str, timeout: float = 0.0) -> bytes:
+        if self._named:
+            return self._named.lookup(name, key, timeout=timeout)
+        return super().lookup(name, key, timeout)
+
+    def close(self) -> None:
+        if self._named:
+            self._named.close()
+            self._named = None
+        super().close()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 _ferry._set_error_classes({int(code): cls for code, cls in ERROR_CLASSES.items()})
 

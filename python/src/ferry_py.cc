@@ -1120,7 +1120,16 @@ struct PyEngine {
       for (auto [k, v] : d) cfg.options[option_key(nb::cast<std::string>(k))] = option_value(v);
     }
     for (auto [k, v] : kwargs) {
-      const std::string key = option_key(nb::cast<std::string>(k));
+      const std::string word = nb::cast<std::string>(k);
+      // directory="etcd://host:port/prefix", name="decode-3": EngineConfig's
+      // own fields (a torch store goes through ferry.Engine in Python).
+      if (word == "directory" || word == "name") {
+        if (!PyUnicode_Check(v.ptr()))
+          raise(StatusCode::kInvalidArgument, word + "= must be a string here");
+        (word == "directory" ? cfg.directory : cfg.name) = nb::cast<std::string>(v);
+        continue;
+      }
+      const std::string key = option_key(word);
       if (cfg.options.count(key))
         raise(StatusCode::kInvalidArgument, "option '" + key + "' given twice");
       cfg.options[key] = option_value(v);
@@ -1152,6 +1161,22 @@ struct PyEngine {
     return out;
   }
 
+  std::string name() { return box->get()->name(); }
+
+  void publish(const std::string& key, nb::handle descriptor) {
+    auto eng = box->get();
+    ByteSpan s(descriptor, "publish() descriptor (bytes or Descriptor)");
+    auto d = unwrap(ferry::RemoteDescriptor::from_bytes(s.span));
+    check(without_gil([&] { return eng->publish(key, d); }));
+  }
+
+  nb::bytes lookup(const std::string& name, const std::string& key, double timeout) {
+    auto eng = box->get();
+    const auto wait = to_ms(timeout);
+    auto d = unwrap(without_gil([&] { return eng->lookup(name, key, wait); }));
+    return to_py_bytes(d.to_bytes());
+  }
+
   nb::list transports() {
     nb::list out;
     for (const auto& t : box->get()->transports()) {
@@ -1173,12 +1198,13 @@ struct PyEngine {
 
   PyPeer* peer(uint64_t peer_id) { return new PyPeer{box, peer_id}; }
 
-  PyPeer* connect(nb::handle target) {
+  PyPeer* connect(nb::handle target, double timeout) {
     auto eng = box->get();
     ferry::PeerId pid;
     if (PyUnicode_Check(target.ptr())) {
       std::string hp = nb::cast<std::string>(target);
-      pid = unwrap(without_gil([&] { return eng->connect(std::string_view(hp)); }));
+      const auto wait = to_ms(timeout);
+      pid = unwrap(without_gil([&] { return eng->connect(std::string_view(hp), wait); }));
     } else {
       ByteSpan s(target, "connect() target (metadata bytes or 'host:port')");
       ferry::Bytes md(s.span.begin(), s.span.end());
@@ -1560,8 +1586,14 @@ NB_MODULE(_ferry, m) {
            "The connected peer's 'ip:port' on its side of the connection (NotFound if not "
            "connected).")
       .def("peer", &PyEngine::peer, "peer_id"_a, "A Peer handle for a known peer id.")
-      .def("connect", &PyEngine::connect, "target"_a,
-           "Connect by metadata bytes or 'host:port'; cached per peer.")
+      .def("connect", &PyEngine::connect, "target"_a, "timeout"_a = 0.0,
+           "Connect by metadata bytes or 'host:port' -- or, with a directory, by an engine "
+           "name (waiting up to timeout seconds for it to appear); cached per peer.")
+      .def_prop_ro("name", &PyEngine::name, "This engine's name in its directory ('' without).")
+      .def("publish", &PyEngine::publish, "key"_a, "descriptor"_a,
+           "Publish a descriptor of this engine under (its name, key) in its directory.")
+      .def("lookup", &PyEngine::lookup, "name"_a, "key"_a, "timeout"_a = 0.0,
+           "The descriptor bytes engine `name` published under `key` (waits up to timeout s).")
       .def("register", &PyEngine::register_buffer, "buffer"_a,
            "Register a numpy array, buffer-protocol object, DLPack producer or tensor-like "
            "object (data_ptr()/nbytes). The Region keeps it alive.")

@@ -19,6 +19,7 @@
 #include "core/transport_set.h"
 #include "core/version.h"
 #include "cuda/cuda_detect.h"
+#include "ferry/directory.h"
 #include "fmt/format.h"
 #include "fmt/ranges.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -129,8 +130,34 @@ class Engine::Impl {
     return Status::Ok();
   }
 
+  // Opens the directory and claims our name in it (after init: the metadata
+  // lists the running transports).
+  Status join_directory(const EngineConfig& config, Bytes metadata) {
+    if (config.directory.empty() && config.name.empty()) return Status::Ok();
+    if (config.directory.empty() || config.name.empty()) {
+      return err::InvalidArgument(
+          fmt::format("EngineConfig: directory '{}' and name '{}' go together: set both or neither",
+                      config.directory, config.name));
+    }
+    if (Status s = validate_directory_name("engine name", config.name); !s.ok()) return s;
+    auto dir = Directory::open(config.directory);
+    if (!dir.ok()) return dir.status();
+    if (Status s = (*dir)->publish_engine(config.name, metadata); !s.ok()) return s;
+    directory_ = std::move(dir.value());
+    name_ = config.name;
+    spdlog::info("ferry: engine {} published as '{}' in {}", hex_id(id_), name_, config.directory);
+    return Status::Ok();
+  }
+
+  Status need_directory(std::string_view what) const {
+    if (directory_) return Status::Ok();
+    return err::InvalidArgument(
+        fmt::format("{}: this engine has no directory (EngineConfig::directory and name)", what));
+  }
+
   ~Impl() {
     closing_.store(true);
+    directory_.reset();  // our entries vanish first: nobody connects to us now
     transports_.shutdown(err::Cancelled("engine shut down"));
     transfers_.fail_all(err::Cancelled("engine shut down"));
   }
@@ -359,6 +386,8 @@ class Engine::Impl {
   }
 
   uint64_t id_ = 0;
+  std::unique_ptr<Directory> directory_;
+  std::string name_;
   std::atomic<bool> closing_{false};
   std::string host_id_;
   OptionSet options_;
@@ -392,7 +421,9 @@ Engine::~Engine() = default;
 Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   auto impl = std::make_unique<Impl>();
   if (Status s = impl->init(config); !s.ok()) return s;
-  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  if (Status s = engine->impl_->join_directory(config, engine->metadata()); !s.ok()) return s;
+  return engine;
 }
 
 uint64_t Engine::id() const {
@@ -439,7 +470,12 @@ Result<PeerId> Engine::connect(ByteView metadata) {
   return impl_->connect(*m);
 }
 
-Result<PeerId> Engine::connect(std::string_view host_port) {
+Result<PeerId> Engine::connect(std::string_view host_port, std::chrono::milliseconds wait) {
+  if (impl_->directory_ && host_port.find(':') == std::string_view::npos) {
+    auto meta = impl_->directory_->lookup_engine(host_port, wait);
+    if (!meta.ok()) return meta.status();
+    return connect(ByteView(*meta));
+  }
   Transport* network = impl_->transports_.network();
   if (!network) {
     return err::NotSupported(fmt::format(
@@ -459,6 +495,26 @@ Result<PeerId> Engine::connect(std::string_view host_port) {
     }
   }
   return peer;
+}
+
+const std::string& Engine::name() const {
+  return impl_->name_;
+}
+
+Status Engine::publish(std::string_view key, const RemoteDescriptor& descriptor) {
+  if (Status s = impl_->need_directory("publish"); !s.ok()) return s;
+  if (descriptor.engine_id != impl_->id_) {
+    return err::InvalidArgument(
+        fmt::format("publish '{}': the descriptor belongs to engine {}, not to this engine {}", key,
+                    hex_id(descriptor.engine_id), hex_id(impl_->id_)));
+  }
+  return publish_descriptor(*impl_->directory_, impl_->name_, key, descriptor);
+}
+
+Result<RemoteDescriptor> Engine::lookup(std::string_view name, std::string_view key,
+                                        std::chrono::milliseconds wait) {
+  if (Status s = impl_->need_directory("lookup"); !s.ok()) return s;
+  return lookup_descriptor(*impl_->directory_, name, key, wait);
 }
 
 std::vector<PeerId> Engine::peers() const {

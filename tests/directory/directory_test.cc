@@ -394,3 +394,75 @@ TEST_F(DirectoryTest, EtcdKilledAndRestartedMidRun) {
 
 }  // namespace
 }  // namespace ferry::dtest
+
+namespace ferry::dtest {
+namespace {
+
+// The engine's own directory settings (EngineConfig::directory and name):
+// connect by name, descriptors by key, a taken name refused at create(), and
+// the entries gone with the engine.
+TEST_F(DirectoryTest, EngineConfigPublishesConnectsAndLooksUpByName) {
+  EngineConfig pc;
+  pc.directory = etcd_.url("cfg");
+  pc.name = "prefill-0";
+  auto prefill = Engine::create(pc);
+  ASSERT_TRUE(prefill.ok()) << prefill.status().to_string();
+  EXPECT_EQ((*prefill)->name(), "prefill-0");
+  itest::Buffer kv(1 << 20);
+  auto region = (*prefill)->register_memory(kv.data(), kv.size());
+  ASSERT_TRUE(region.ok()) << region.status().to_string();
+  auto desc = (*prefill)->advertise(region->id);
+  ASSERT_TRUE(desc.ok());
+  ASSERT_TRUE((*prefill)->publish("layer-12", *desc).ok());
+
+  EngineConfig same = pc;  // a live engine holds the name
+  auto twin = Engine::create(same);
+  ASSERT_FALSE(twin.ok());
+  EXPECT_EQ(twin.status().code(), StatusCode::kPermissionDenied) << twin.status().to_string();
+
+  EngineConfig dc;
+  dc.directory = etcd_.url("cfg");
+  dc.name = "decode-3";
+  auto decode = Engine::create(dc);
+  ASSERT_TRUE(decode.ok()) << decode.status().to_string();
+  auto peer = (*decode)->connect("prefill-0", 5s);
+  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  EXPECT_EQ(*peer, (*prefill)->id());
+  auto remote = (*decode)->lookup("prefill-0", "layer-12", 5s);
+  ASSERT_TRUE(remote.ok()) << remote.status().to_string();
+  itest::Buffer src(256 << 10);
+  itest::FillPattern(77, 0, src.data(), src.size());
+  auto local = (*decode)->register_memory(src.data(), src.size());
+  ASSERT_TRUE(local.ok());
+  LocalIov l{src.data(), src.size()};
+  RemoteIov r{&*remote, 4096, src.size()};
+  ASSERT_TRUE((*decode)->write(*peer, {&l, 1}, {&r, 1}).ok());
+  EXPECT_TRUE(itest::MatchesPattern(77, 0, kv.data() + 4096, src.size()));
+
+  auto missing = (*decode)->lookup("prefill-0", "layer-13");
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().to_string();
+  EXPECT_EQ((*decode)->connect("prefill-9").status().code(), StatusCode::kNotFound);
+  // Another engine's descriptor is not ours to publish.
+  EXPECT_EQ((*decode)->publish("stolen", *desc).code(), StatusCode::kInvalidArgument);
+
+  prefill->reset();  // its lease is revoked with it
+  EXPECT_EQ((*decode)->lookup("prefill-0", "layer-12").status().code(), StatusCode::kNotFound);
+  auto again = Engine::create(pc);  // and the name is free again
+  EXPECT_TRUE(again.ok()) << again.status().to_string();
+}
+
+TEST(DirectoryConfig, NameAndDirectoryGoTogether) {
+  EngineConfig c;
+  c.name = "decode-1";
+  auto e = Engine::create(c);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("directory"), std::string::npos) << e.status().to_string();
+  EngineConfig plain;
+  auto p = Engine::create(plain);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ((*p)->lookup("x", "y").status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ferry::dtest

@@ -367,3 +367,27 @@ def test_etcd_killed_and_restarted():
         if target:
             target.close()
         server.close()
+
+
+def test_engine_directory_and_name_arguments(etcd, prefix):
+    """Engine(directory=url, name=...) is the C++ engine's own directory:
+    connect by name, publish/lookup by key, a taken name refused."""
+    url = etcd.url(prefix)
+    rng = np.random.default_rng(5)
+    with ferry.Engine(directory=url, name="prefill-0") as prefill, \
+            ferry.Engine(directory=url, name="decode-3") as decode:
+        assert prefill.name == "prefill-0"
+        kv = np.zeros(1 << 20, dtype=np.uint8)
+        region = prefill.register(kv)
+        prefill.publish("layer-12", region.advertise())
+        with pytest.raises(ferry.PermissionDenied):
+            ferry.Engine(directory=url, name="prefill-0")
+        peer = decode.connect("prefill-0", timeout=5)
+        assert peer.id == prefill.id
+        desc = decode.lookup("prefill-0", "layer-12", timeout=5)
+        src = rng.integers(0, 256, 64 << 10, dtype=np.uint8)
+        local = decode.register(src)
+        peer.write([(local, 0, src.size)], [(desc, 4096, src.size)])
+        assert np.array_equal(kv[4096:4096 + src.size], src)
+        with pytest.raises(ferry.NotFound):
+            decode.lookup("prefill-0", "layer-13")

@@ -214,3 +214,24 @@ def test_torchrun_four_processes_by_name():
         assert f"[decode-{d}] verified 6 requests, 36 pages" in out.stdout, out.stdout + out.stderr
     for p in (0, 1):
         assert f"[prefill-{p}] rank {p}: 6 requests" in out.stdout, out.stdout
+
+
+def test_engine_directory_argument_takes_a_store():
+    """Engine(directory=<store>, name=...) goes through ferry.directory: the
+    same connect-by-name, publish and lookup as with etcd."""
+    store = PlainStore()
+    rng = np.random.default_rng(9)
+    with ferry.Engine(directory=store, name="prefill-0") as prefill, \
+            ferry.Engine(directory=store, name="decode-3") as decode:
+        assert prefill.name == "prefill-0"
+        kv = np.zeros(1 << 20, dtype=np.uint8)
+        region = prefill.register(kv)
+        prefill.publish("layer-12", region.advertise())
+        peer = decode.connect("prefill-0", timeout=5)
+        assert peer.id == prefill.id
+        desc = decode.lookup("prefill-0", "layer-12", timeout=5)
+        src = rng.integers(0, 256, 32 << 10, dtype=np.uint8)
+        peer.write([(decode.register(src), 0, src.size)], [(desc, 0, src.size)])
+        assert np.array_equal(kv[:src.size], src)
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.Engine(directory=store)
