@@ -39,6 +39,10 @@ const OptionSpec kShmOptionSpecs[] = {
      "most bytes in one request: larger segments are cut so that several copy threads of the "
      "target share one transfer",
      4096, 1ull << 30},
+    {"shm.inline_bytes", OptionType::kBytes, "256KiB",
+     "requests of at most this many bytes are served by the I/O thread itself (no hand-off to a "
+     "copy thread); larger ones by the copy threads, in parallel",
+     0, 1ull << 30},
     {"shm.copy_threads", OptionType::kUint, "0",
      "threads that check and copy the requests of peers (0: one per CPU, at most 4)", 0, 64},
     {"shm.cancel_timeout_ms", OptionType::kDurationMs, "250",
@@ -229,6 +233,7 @@ Status ShmTransport::read_options() {
     opt_.copy_threads = std::clamp(std::thread::hardware_concurrency(), 1u, 4u);
   }
   opt_.cancel_timeout = std::chrono::milliseconds(o.get_uint("shm.cancel_timeout_ms"));
+  opt_.inline_bytes = o.get_uint("shm.inline_bytes");
   opt_.send_timeout = std::chrono::milliseconds(o.get_uint("shm.send_timeout_ms"));
   return Status::Ok();
 }
@@ -725,7 +730,14 @@ Status ShmTransport::on_frame(Connection& c, const FrameHeader& h, ByteView body
   if (is_request(h.op)) {
     auto request = decode_request(h, body);
     if (!request.ok()) return request.status();
-    submit(Task{c.shared_from_this(), std::move(request.value()), nullptr});
+    // Small requests are served here: a hand-off to a copy worker costs a
+    // thread wake-up, more than copying a few pages. Large ones go to the
+    // workers, which copy in parallel.
+    if (request->total_bytes() <= opt_.inline_bytes) {
+      serve_inline(c.shared_from_this(), *request);
+    } else {
+      submit(Task{c.shared_from_this(), std::move(request.value()), nullptr, {}});
+    }
     return Status::Ok();
   }
   if (h.op == Op::kResponse) return on_response(c, body);
@@ -833,7 +845,11 @@ void ShmTransport::worker_loop(int index) {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
-    if (task.notify_for) {
+    if (!task.response.empty()) {
+      if (Status st = send_frame(*task.conn, task.response); !st.ok()) {
+        fail_connection(*task.conn, st);
+      }
+    } else if (task.notify_for) {
       send_write_notification(task.conn, task.notify_for);
     } else {
       serve(*task.conn, task.request);
@@ -889,18 +905,14 @@ bool peer_hung_up(int fd) {
 }
 }  // namespace
 
-void ShmTransport::serve(Connection& c, Request& request) {
+std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
   // The initiator is gone, or we gave up on it (cancel timeout, protocol
   // error), or it gave up on us: copy nothing more into or out of its memory.
-  if (c.dead.load() || peer_hung_up(c.fd)) return;
+  if (c.dead.load() || peer_hung_up(c.fd)) return std::nullopt;
   if (request.cancelled) {
-    const Status s =
-        err::Cancelled(fmt::format("shm: {} {} was cancelled by the initiator before it was served",
-                                   op_name(request.op), request.id));
-    if (Status sent = send_frame(c, encode_response(request.id, s)); !sent.ok()) {
-      fail_connection(c, sent);
-    }
-    return;
+    return err::Cancelled(
+        fmt::format("shm: {} {} was cancelled by the initiator before it was served",
+                    op_name(request.op), request.id));
   }
   std::vector<RegionPin> pins;
   std::vector<CopyPiece> pieces;
@@ -918,7 +930,7 @@ void ShmTransport::serve(Connection& c, Request& request) {
     }
   }
   if (verdict.ok() && !pieces.empty()) {
-    if (process_exited(c.pidfd)) return;  // its EOF follows; the pid may be reused
+    if (process_exited(c.pidfd)) return std::nullopt;  // its EOF follows; the pid may be reused
     size_t failed = 0;
     uint64_t moved = 0;
     const Direction direction = request.op == Op::kWriteReq ? Direction::kPull : Direction::kPush;
@@ -926,7 +938,7 @@ void ShmTransport::serve(Connection& c, Request& request) {
       if (s.code() == StatusCode::kPeerDisconnected) {  // ESRCH: the initiator died
         spdlog::debug("ferry shm: {}: dropping {} {}: {}", describe(c), op_name(request.op),
                       request.id, s.message());
-        return;
+        return std::nullopt;
       }
       const WireSegment& seg = request.segments[failed];
       verdict = Status(s.code(), fmt::format("shm: {} {}: copy stopped in region {} at offset {} "
@@ -939,9 +951,42 @@ void ShmTransport::serve(Connection& c, Request& request) {
   if (verdict.ok() && request.has_notification) {
     ctx_.events->on_notification(c.peer, std::move(request.notification));
   }
-  if (Status s = send_frame(c, encode_response(request.id, verdict)); !s.ok()) {
+  return verdict;
+}
+
+void ShmTransport::serve(Connection& c, Request& request) {
+  const std::optional<Status> verdict = execute(c, request);
+  if (!verdict) return;
+  if (Status s = send_frame(c, encode_response(request.id, *verdict)); !s.ok()) {
     fail_connection(c, s);
   }
+}
+
+void ShmTransport::serve_inline(const std::shared_ptr<Connection>& c, Request& request) {
+  const std::optional<Status> verdict = execute(*c, request);
+  if (!verdict) return;
+  Bytes frame = encode_response(request.id, *verdict);
+  if (!try_send_now(*c, frame)) submit(Task{c, {}, nullptr, std::move(frame)});
+}
+
+// The I/O thread must never block on a send (both ends must always drain
+// their sockets): it sends only if the lock is free and the frame fits now.
+// A small frame on a Unix stream socket is one skb, sent whole or not at all.
+bool ShmTransport::try_send_now(Connection& c, const Bytes& frame) {
+  std::unique_lock lock(c.send_mu, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  if (c.dead.load()) return true;  // nobody to answer
+  const ssize_t n = ::send(c.fd, frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (n == static_cast<ssize_t>(frame.size())) return true;
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+  if (n >= 0) {  // part of it went: the rest must follow before anything else
+    const ByteView rest = ByteView(frame).subspan(static_cast<size_t>(n));
+    if (send_all(c.fd, rest, Clock::now() + opt_.send_timeout).ok()) return true;
+  }
+  const int e = errno;
+  lock.unlock();
+  fail_connection(c, err::PeerDisconnected(fmt::format("send failed: {}", errno_text(e))));
+  return true;
 }
 
 // ------------------------------------------------------ initiator: posts ---

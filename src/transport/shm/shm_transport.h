@@ -34,6 +34,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -55,7 +56,8 @@ struct ShmOptions {
   uint32_t max_request_segments = kMaxRequestSegments;
   uint64_t max_request_bytes = 4 << 20;
   uint32_t copy_threads = 1;
-  std::chrono::milliseconds cancel_timeout{10000};
+  std::chrono::milliseconds cancel_timeout{250};
+  uint64_t inline_bytes = 256 << 10;
   std::chrono::milliseconds send_timeout{10000};
 };
 
@@ -97,6 +99,7 @@ struct Task {
   std::shared_ptr<Connection> conn;
   Request request;
   std::shared_ptr<Transfer> notify_for;
+  Bytes response;  // set: only send this frame (the I/O thread could not)
 };
 
 class ShmTransport final : public Transport {
@@ -152,6 +155,11 @@ class ShmTransport final : public Transport {
   void worker_loop(int index);
   void submit(Task task);
   void serve(Connection& c, Request& request);
+  // Checks and copies; the verdict to answer, or nothing when the request is
+  // dropped (the initiator is gone or gave up on us).
+  std::optional<Status> execute(Connection& c, Request& request);
+  void serve_inline(const std::shared_ptr<Connection>& c, Request& request);
+  bool try_send_now(Connection& c, const Bytes& frame);
   // The checks of every segment of `request`; fills pins and copy pieces.
   Status validate(const Connection& c, const Request& request, std::vector<RegionPin>* pins,
                   std::vector<CopyPiece>* pieces) const;

@@ -107,6 +107,12 @@ struct Request {
   Bytes notification;
   // Set by a CANCEL that arrived while the request waited for a copy worker.
   bool cancelled = false;
+
+  uint64_t total_bytes() const {
+    uint64_t n = 0;
+    for (const WireSegment& s : segments) n += s.remote.length;
+    return n;
+  }
 };
 
 // CANCEL body: u32 count, u32 reserved 0, count × u64 request id.
