@@ -876,7 +876,15 @@ Status ShmTransport::validate(const Connection& c, const Request& request,
           fmt::format("shm: region {} is {} memory; the shm transport carries host memory only",
                       seg.remote.region_id, memory_kind_name(region->info.kind)));
     }
-    pieces->push_back({*local, seg.address, seg.remote.length});
+    // Blocks adjacent on both sides (pages of one KV run, say) become one
+    // iovec: the kernel pins and copies a run in one pass instead of per block.
+    CopyPiece* last = pieces->empty() ? nullptr : &pieces->back();
+    if (last && last->local + last->length == *local &&
+        last->remote + last->length == seg.address) {
+      last->length += seg.remote.length;
+    } else {
+      pieces->push_back({*local, seg.address, seg.remote.length});
+    }
     // One pin per run of segments in the same region is enough.
     if (pins->empty() || pins->back().get() != region) pins->push_back(std::move(pin));
   }
@@ -940,7 +948,14 @@ std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
                       request.id, s.message());
         return std::nullopt;
       }
-      const WireSegment& seg = request.segments[failed];
+      // Pieces may merge segments: find the segment the copy stopped in.
+      (void)failed;
+      size_t at = 0;
+      for (uint64_t sum = 0; at + 1 < request.segments.size(); ++at) {
+        sum += request.segments[at].remote.length;
+        if (sum > moved) break;
+      }
+      const WireSegment& seg = request.segments[at];
       verdict = Status(s.code(), fmt::format("shm: {} {}: copy stopped in region {} at offset {} "
                                              "after {} bytes: {}",
                                              op_name(request.op), request.id, seg.remote.region_id,
