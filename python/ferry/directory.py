@@ -141,6 +141,17 @@ class Directory:
         or with ``timeout`` > 0 waits for it and raises ``ferry.Timeout``."""
         raise NotImplementedError
 
+    def _check_held(self, name: str, key: str) -> None:
+        """Publishing under `name` needs this directory to hold it (both back ends)."""
+        with self._mu:
+            if name in self._lost:
+                raise PermissionDenied(f"publish of key '{key}' under engine name '{name}': "
+                                       f"this directory lost the name ({self._lost[name]})")
+            if name not in self._engines:
+                raise InvalidArgument(f"publish of key '{key}' under engine name '{name}': "
+                                      "this directory does not hold that name (publish_engine "
+                                      "it first)")
+
     def publish(self, name: str, key: str, value: bytes) -> None:
         """Stores ``value`` (a descriptor, or any small bytes) under ``key`` of a
         name this directory holds (``publish_engine`` first)."""
@@ -580,14 +591,7 @@ class EtcdDirectory(Directory):
         value = _as_bytes(value, "value")
         self._check_open()
         with self._publish_mu:
-            with self._mu:
-                if name in self._lost:
-                    raise PermissionDenied(f"publish of key '{key}' under engine name '{name}': "
-                                           f"this directory lost the name ({self._lost[name]})")
-                if name not in self._engines:
-                    raise InvalidArgument(f"publish of key '{key}' under engine name '{name}': "
-                                          "this directory does not hold that name (publish_engine "
-                                          "it first)")
+            self._check_held(name, key)
             if not self._user.put_if_lease(self._meta_key(name), self._entry_key(name, key), value,
                                            self._lease):
                 raise PermissionDenied(f"publish of key '{key}' under engine name '{name}' in "
@@ -918,14 +922,7 @@ class StoreDirectory(Directory):
         validate_name("key", key)
         value = _as_bytes(value, "value")
         with self._publish_mu:
-            with self._mu:
-                if name in self._lost:
-                    raise PermissionDenied(f"publish of key '{key}' under engine name '{name}': "
-                                           f"this directory lost the name ({self._lost[name]})")
-                if name not in self._engines:
-                    raise InvalidArgument(f"publish of key '{key}' under engine name '{name}': "
-                                          "this directory does not hold that name (publish_engine "
-                                          "it first)")
+            self._check_held(name, key)
             self._put(name, self._key("engines", name, "keys", key), value)
             with self._mu:
                 self._entries[(name, key)] = value
