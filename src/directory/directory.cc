@@ -426,7 +426,9 @@ class Directory::Impl {
             name, who.value());
         std::lock_guard state(mu_);
         engines_.erase(name);
-        std::erase_if(entries_, [&](const auto& e) { return e.first.first == name; });
+        // clang 14 cannot capture a structured binding in a lambda: name it.
+        const std::string& lost_name = name;
+        std::erase_if(entries_, [&](const auto& e) { return e.first.first == lost_name; });
         lost_[name] = fmt::format("taken by {} while this directory's lease was lost", who.value());
         continue;
       }
