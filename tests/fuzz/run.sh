@@ -14,7 +14,10 @@ if [ ! -f "$BUILD/build.ninja" ]; then
     -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined" \
     -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
 fi
-ninja -C "$BUILD" fuzz_codecs fuzz_tcp_frames >/dev/null
+if ! ninja -C "$BUILD" fuzz_codecs fuzz_tcp_frames >"$BUILD/fuzz_build.log" 2>&1; then
+  echo "fuzz: building the fuzz targets (clang) failed:"; grep -E "error|FAILED" -A3 "$BUILD/fuzz_build.log" | head -30
+  exit 1
+fi
 mkdir -p "$BUILD/corpus/codecs" "$BUILD/corpus/frames"
 status=0
 for t in codecs tcp_frames; do
