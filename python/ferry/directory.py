@@ -141,6 +141,19 @@ class Directory:
         or with ``timeout`` > 0 waits for it and raises ``ferry.Timeout``."""
         raise NotImplementedError
 
+    def _claim_waiting(self, name: str, try_claim, released_when: str) -> None:
+        """Claims `name` with `try_claim()` (returns the holder, or "" when the
+        name is ours), retrying for claim_wait seconds; PermissionDenied naming
+        the holder after that (both back ends)."""
+        deadline = time.monotonic() + self.claim_wait
+        while who := try_claim():
+            if time.monotonic() + 0.2 > deadline:
+                waited = f" (waited {self.claim_wait:g} s for it)" if self.claim_wait else ""
+                raise PermissionDenied(
+                    f"engine name '{name}' is held by {who} in {self._where()}{waited}; it is "
+                    f"released when that engine gives it up or {released_when}")
+            time.sleep(0.2)
+
     def _check_held(self, name: str, key: str) -> None:
         """Publishing under `name` needs this directory to hold it (both back ends)."""
         with self._mu:
@@ -570,17 +583,8 @@ class EtcdDirectory(Directory):
         self._check_open()
         with self._publish_mu:
             self._ensure_lease()
-            deadline = time.monotonic() + self.claim_wait
-            while True:
-                who = self._claim(self._user, name, metadata)
-                if not who:
-                    break
-                if time.monotonic() + 0.2 > deadline:
-                    waited = f" (waited {self.claim_wait:g} s for it)" if self.claim_wait else ""
-                    raise PermissionDenied(
-                        f"engine name '{name}' is held by {who} in {self._where()}{waited}; it is "
-                        "released when that engine gives it up or its lease expires")
-                time.sleep(0.2)
+            self._claim_waiting(name, lambda: self._claim(self._user, name, metadata),
+                                "its lease expires")
             with self._mu:
                 self._engines[name] = metadata
                 self._lost.pop(name, None)
@@ -897,17 +901,7 @@ class StoreDirectory(Directory):
         if self._closed:
             raise InvalidArgument("the directory is closed")
         with self._publish_mu:
-            deadline = time.monotonic() + self.claim_wait
-            while True:
-                who = self._claim(name)
-                if not who:
-                    break
-                if time.monotonic() + 0.2 > deadline:
-                    waited = f" (waited {self.claim_wait:g} s for it)" if self.claim_wait else ""
-                    raise PermissionDenied(
-                        f"engine name '{name}' is held by {who} in {self._where()}{waited}; it is "
-                        "released when that engine gives it up or stops renewing it")
-                time.sleep(0.2)
+            self._claim_waiting(name, lambda: self._claim(name), "stops renewing it")
             self._put(name, self._key("engines", name, "metadata"), metadata)
             with self._mu:
                 self._engines[name] = metadata
