@@ -1,40 +1,73 @@
 """UCCL P2P ``Endpoint`` on top of Ferry.
 
 Change ``from uccl import p2p`` to ``from ferry.compat.uccl import p2p``: the
-method names, arguments and return tuples are UCCL's. Differences (all listed in
-docs/uccl_compat.md), in short:
+method names, arguments and return tuples are UCCL's, including the same-host
+calls (``connect_local``, ``accept_local``, ``advertise_ipc``, ``write_ipc``,
+``read_ipc``, ``writev_ipc``, ``readv_ipc`` and their async forms), the
+descriptor API (``register_memory``, ``deregister_memory``,
+``get_serialized_descs``, ``deserialize_descs``, ``transfer``) and ``FloatType``.
+Every call runs on one ``ferry.Engine`` (``ep.engine``), which picks the
+transport per peer: for a peer of this host, shm for host memory and cuda_ipc
+for GPU memory where the build has it, tcp otherwise. Differences (all listed
+in docs/uccl_compat.md), in short:
 
 * Failures raise ``ferry.FerryError`` subclasses carrying the engine's message
-  instead of returning ``ok=False`` (or printing); a returned ``ok`` is always True.
+  instead of returning ``ok=False`` (or printing); a returned ``ok`` is True.
+  ``remove_remote_endpoint`` returns False for an unknown conn_id, as UCCL does;
+  calls with such a conn_id raise ``InvalidConnId`` (a ``ferry.NotFound`` and a
+  ``RuntimeError``, as UCCL's).
 * Transfer ids are Ferry's generation-safe ids: polling a finished id again raises
   ``ferry.NotFound`` saying so, never reads freed memory.
-* ``conn_id`` is the peer engine's 64-bit id, the same on both sides' view of one
-  connection; connections are bidirectional (the accepting side may also initiate).
-* Metadata bytes are Ferry engine metadata (not UCCL's 10/22-byte layout); use
-  ``Endpoint.parse_metadata``.
-* The IPC (same-host CUDA) calls raise ``ferry.NotSupported``: Ferry's cuda_ipc
-  transport is not in this build.
+* Connections are bidirectional (the accepting side may also initiate).
+* Metadata bytes are Ferry engine metadata in a small envelope (GPU index and
+  same-host name), not UCCL's ip/port/BDF record; use ``Endpoint.parse_metadata``.
+* The *_ipc calls take Ferry descriptors (64 bytes) and work on any connection.
 """
 from __future__ import annotations
 
 import collections
+import queue
 import socket
+import struct
+import threading
 import time
+import weakref
 
 from ... import _ferry
-from ..._errors import InvalidArgument, NotFound, NotSupported
+from ..._errors import InvalidArgument, NotFound, NotSupported, Timeout
 from ..._metadata import parse_metadata as _parse_ferry_metadata
+from . import _envelope, _local
+from ._types import UINT64_MAX, BadArgument, FloatType, InvalidConnId
+from ._xfer_desc import XferDesc, as_desc, deserialize, serialize
 
-__all__ = ["Endpoint", "get_oob_ip"]
+__all__ = ["Endpoint", "FloatType", "XferDesc", "InvalidConnId", "BadArgument", "get_oob_ip"]
 
-_IPC_MISSING = (
-    "{name}: same-host GPU transfers need Ferry's cuda_ipc transport, which this build "
-    "does not provide; use {alt} (over tcp) instead"
-)
+# UCCL's enum also puts its values at module level (export_values).
+kUndefined = FloatType.kUndefined
+kFloat16 = FloatType.kFloat16
+kBFloat16 = FloatType.kBFloat16
+kFloat32 = FloatType.kFloat32
+kFloat8E4M3FN = FloatType.kFloat8E4M3FN
+kFloat8E5M2 = FloatType.kFloat8E5M2
+
+# Sent by connect()/add_remote_endpoint() so the peer's accept() learns our GPU.
+_HELLO = b"\0ferry-uccl-hello\0"
+_ACCEPT_HELLO_WAIT = 1.0  # s accept() waits for a peer's hello before answering gpu -1
 
 
 def get_oob_ip() -> str:
-    """Best guess of this host's address for out-of-band exchange (UCCL helper)."""
+    """This host's address for out-of-band exchange (UCCL helper): the source
+    address of the default route, else the host name's address, else 127.0.0.1."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
+        ip = s.getsockname()[0]
+        if ip and not ip.startswith("0."):
+            return ip
+    except OSError:
+        pass
+    finally:
+        s.close()
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -43,6 +76,27 @@ def get_oob_ip() -> str:
 
 def _host_port(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip and not ip.startswith("[") else f"{ip}:{port}"
+
+
+class _Conn:
+    __slots__ = ("peer", "local", "remote_gpu", "ip")
+
+    def __init__(self, peer, local, remote_gpu, ip=""):
+        self.peer, self.local, self.remote_gpu, self.ip = peer, local, remote_gpu, ip
+
+
+class _Mr:
+    """One mr_id: a Ferry region, shared (reference-counted) between register_memory
+    descriptors whose ranges it contains."""
+
+    __slots__ = ("region", "cached")
+
+    def __init__(self, region, cached):
+        self.region, self.cached = region, cached
+
+
+def _contains(region, ptr: int, size: int) -> bool:
+    return region.address <= ptr and ptr + size <= region.address + region.length
 
 
 class Endpoint:
@@ -59,13 +113,53 @@ class Endpoint:
         self.local_gpu_idx = -1 if local_gpu_idx is None else int(local_gpu_idx)
         self.num_cpus = num_cpus
         self._engine = _ferry.Engine(listen, options, **engine_options)
-        self._regions: dict[int, _ferry.Region] = {}
-        self._peers: dict[int, _ferry.Peer] = {}
+        self._lock = threading.Lock()
+        self._conns: dict[int, _Conn] = {}
+        self._next_conn = 0
         self._by_metadata: dict[bytes, int] = {}
-        self._accepted: set[int] = set()
-        self._transfers: dict[int, _ferry.Transfer] = {}
+        self._known_pids: set[int] = set()  # connected by us or handed out: not accept()ed
+        self._reserved_pids: set[int] = set()  # mid connect_local handshake
+        self._first_seen: dict[int, float] = {}
+        self._hello_gpu: dict[int, int] = {}
+        self._notifications: list = []  # others' notifications drained by accept()
+        self._local_queue: queue.Queue = queue.Queue()
+        self._mrs: dict[int, _Mr] = {}
+        self._next_mr = 0
+        self._cache: list[_Mr] = []  # register_memory registrations, reusable
+        self._ipc_regions: dict[tuple[int, int], _ferry.Region] = {}
+        self._transfers: dict[int, tuple] = {}
         self._completed: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._passive = False
+        gpu = f"-gpu{self.local_gpu_idx}" if self.local_gpu_idx >= 0 else ""
+        self._local_name = f"ferry-{self._engine.id:016x}{gpu}"
+        self._metadata = _envelope.wrap(self.local_gpu_idx, self._local_name,
+                                        self._engine.metadata())
+        me = weakref.ref(self)
+
+        def alive():
+            ep = me()
+            if ep is None or ep._engine.closed:
+                raise NotFound("the endpoint is closed")
+            return ep
+
+        def reserve(pid):
+            ep = alive()
+            with ep._lock:
+                ep._reserved_pids.add(pid)
+
+        def connected(env, pid):
+            alive()._local_queue.put((env, pid))
+
+        def release(pid):
+            ep = me()
+            if ep is not None:
+                with ep._lock:
+                    ep._reserved_pids.discard(pid)
+
+        self._listener = _local.LocalListener(self._local_name, self.local_gpu_idx,
+                                              lambda: alive()._metadata, reserve, connected,
+                                              release)
+        self._finalizer = weakref.finalize(self, self._listener.stop)
 
     # ------------------------------------------------------------------ misc
     @property
@@ -74,12 +168,15 @@ class Endpoint:
         return self._engine
 
     def __repr__(self) -> str:
-        return f"<ferry.compat.uccl.p2p.Endpoint {self._engine!r}>"
+        return f"<ferry.compat.uccl.p2p.Endpoint {self._local_name} {self._engine!r}>"
 
     def close(self) -> None:
+        self._finalizer()
         self._transfers.clear()
-        self._regions.clear()
-        self._peers.clear()
+        self._mrs.clear()
+        self._cache.clear()
+        self._ipc_regions.clear()
+        self._conns.clear()
         self._engine.close()
 
     def __enter__(self):
@@ -88,75 +185,128 @@ class Endpoint:
     def __exit__(self, *exc):
         self.close()
 
+    get_oob_ip = staticmethod(get_oob_ip)
+
+    def conn_id_of_rank(self, rank: int) -> int:
+        """UCCL's rank table; nothing fills it in the P2P API (UCCL's neither), so
+        this is always UINT64_MAX ("none")."""
+        del rank
+        return UINT64_MAX
+
     # ------------------------------------------------------------ addressing
     def get_metadata(self) -> bytes:
-        return self._engine.metadata()
+        """This endpoint's address: Ferry engine metadata in an envelope carrying the
+        GPU index and the same-host name (``ep.engine.metadata()`` is the bare form)."""
+        return self._metadata
 
     get_endpoint_metadata = get_metadata  # older UCCL name
 
     @staticmethod
     def parse_metadata(metadata: bytes):
-        """(ip, port, gpu) of Ferry engine metadata; gpu is -1 (not carried)."""
-        info = _parse_ferry_metadata(metadata)
-        addrs = info.tcp_addresses
+        """(ip, port, gpu): the first tcp address and the endpoint's GPU identity, the
+        string ``connect_local`` takes ("" for bare Ferry engine metadata)."""
+        env = _envelope.unwrap(metadata)
+        addrs = _parse_ferry_metadata(env.engine_metadata).tcp_addresses
         if not addrs:
             raise InvalidArgument("the engine metadata has no tcp address")
         ip, port = addrs[0]
-        return ip, port, -1
+        return ip, port, env.local_name
 
     # ----------------------------------------------------------- connections
-    def _peer(self, conn_id: int) -> _ferry.Peer:
-        p = self._peers.get(conn_id)
-        if p is None:
-            if conn_id not in self._engine.peers():
-                raise NotFound(f"conn_id {conn_id:#x} is not a connected peer of this endpoint")
-            p = self._peers[conn_id] = self._engine.peer(conn_id)
-        return p
+    def _new_conn(self, peer, local, remote_gpu, ip="") -> int:
+        with self._lock:
+            cid = self._next_conn
+            self._next_conn += 1
+            self._conns[cid] = _Conn(peer, local, remote_gpu, ip)
+            self._known_pids.add(peer.id)
+        return cid
 
-    def connect(self, remote_ip_addr: str, remote_gpu_idx: int = 0, remote_port: int = -1,
-                *, remote_gpu=None):
-        del remote_gpu_idx, remote_gpu  # Ferry picks the memory from the descriptors
+    def _conn(self, conn_id, what: str) -> _Conn:
+        c = self._conns.get(conn_id) if isinstance(conn_id, int) else None
+        if c is None:
+            raise InvalidConnId(f"Invalid conn_id {conn_id!r} in {what}: not a connection of "
+                                "this endpoint (never made, or removed)")
+        return c
+
+    def _hello(self, peer) -> None:
+        try:
+            peer.notify(_HELLO + struct.pack("<i", self.local_gpu_idx))
+        except Exception:  # only costs the peer's accept() the GPU index
+            pass
+
+    def connect(self, remote_ip_addr: str, remote_gpu_idx=0, remote_port: int = -1, *,
+                remote_gpu_bdf=None, remote_gpu=None):
+        del remote_gpu_idx, remote_gpu_bdf, remote_gpu  # the memory kind is in descriptors
         if remote_port is None or int(remote_port) < 0:
             raise InvalidArgument(
                 "connect(): Ferry has no well-known port; pass remote_port "
                 "(from Endpoint.parse_metadata) or use add_remote_endpoint(metadata)")
         peer = self._engine.connect(_host_port(remote_ip_addr, int(remote_port)))
-        self._peers[peer.id] = peer
-        return True, peer.id
+        cid = self._new_conn(peer, False, -1, remote_ip_addr)
+        self._hello(peer)
+        return True, cid
 
     def add_remote_endpoint(self, metadata_bytes: bytes):
         key = bytes(metadata_bytes)
-        conn_id = self._by_metadata.get(key)
-        if conn_id is not None:
-            return True, conn_id
-        peer = self._engine.connect(key)
-        self._peers[peer.id] = peer
-        self._by_metadata[key] = peer.id
-        return True, peer.id
+        cid = self._by_metadata.get(key)
+        if cid is not None and cid in self._conns:
+            return True, cid
+        env = _envelope.unwrap(key)
+        peer = self._engine.connect(env.engine_metadata)
+        cid = self._new_conn(peer, False, env.gpu)
+        self._by_metadata[key] = cid
+        self._hello(peer)
+        return True, cid
 
     def remove_remote_endpoint(self, conn_id: int) -> bool:
-        self._peers.pop(conn_id, None)
-        for k in [k for k, v in self._by_metadata.items() if v == conn_id]:
-            del self._by_metadata[k]
+        """Forget a connection: True, or False (as UCCL) for an unknown or already
+        removed conn_id. The engines stay connected for other conn_ids."""
+        with self._lock:
+            if self._conns.pop(conn_id, None) is None:
+                return False
+            for k in [k for k, v in self._by_metadata.items() if v == conn_id]:
+                del self._by_metadata[k]
         return True
+
+    def _drain_hellos(self) -> None:
+        for pid, payload in self._engine.notifications():
+            if payload.startswith(_HELLO) and len(payload) == len(_HELLO) + 4:
+                self._hello_gpu[pid] = struct.unpack("<i", payload[len(_HELLO):])[0]
+            else:
+                self._notifications.append((pid, payload))
 
     def accept(self, timeout: float | None = None):
         """Block until a peer not yet handed out connects: (True, ip, gpu, conn_id).
 
-        ip is the peer's address as this engine sees the connection; Ferry's
-        handshake carries no GPU index, so gpu is -1.
+        ip is the peer's address as this engine sees the connection; gpu is the peer
+        endpoint's local_gpu_idx (-1 for a bare Ferry engine, which sends none).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._drain_hellos()
+            now = time.monotonic()
             for pid in self._engine.peers():
-                if pid not in self._accepted and pid not in self._peers:
-                    self._accepted.add(pid)
-                    self._peers[pid] = self._engine.peer(pid)
-                    return True, self._peer_ip(pid), -1, pid
-            if deadline is not None and time.monotonic() >= deadline:
-                from ..._errors import Timeout
+                with self._lock:
+                    if pid in self._known_pids or pid in self._reserved_pids:
+                        continue
+                first = self._first_seen.setdefault(pid, now)
+                gpu = self._hello_gpu.get(pid)
+                if gpu is None and now - first < _ACCEPT_HELLO_WAIT:
+                    continue
+                ip = self._peer_ip(pid)
+                cid = self._new_conn(self._engine.peer(pid), False, -1 if gpu is None else gpu,
+                                     ip)
+                return True, ip, (-1 if gpu is None else gpu), cid
+            if deadline is not None and now >= deadline:
                 raise Timeout(f"accept(): no new peer within {timeout} s")
             time.sleep(0.002)
+
+    def notifications(self) -> list:
+        """Ferry extension: notifications received (accept() takes them off the engine
+        to find peers' GPU indices; the others are kept here)."""
+        self._drain_hellos()
+        out, self._notifications = self._notifications, []
+        return out
 
     def _peer_ip(self, pid: int) -> str:
         try:
@@ -171,12 +321,64 @@ class Endpoint:
         self._passive = True
         return True
 
+    # ------------------------------------------------------------ same host
+    def connect_local(self, remote_gpu_bdf=None, *, remote_gpu_idx=None, timeout: float = 5.0):
+        """Connect to an endpoint of this host: (True, conn_id).
+
+        ``remote_gpu_bdf`` is the GPU identity from ``parse_metadata`` of the peer's
+        metadata (unique per endpoint) or, as in UCCL's older API (also as
+        ``remote_gpu_idx=``), a GPU index: the endpoint of this host created first
+        for that GPU. The peer's engine connects to ours; it need not call
+        ``accept_local`` for transfers to work.
+        """
+        if (remote_gpu_bdf is None) == (remote_gpu_idx is None):
+            raise InvalidArgument("connect_local(): pass one of remote_gpu_bdf, remote_gpu_idx")
+        target = remote_gpu_bdf if remote_gpu_idx is None else int(remote_gpu_idx)
+        theirs, peer = _local.connect(_local.resolve(target), self._metadata,
+                                      self._engine.connect, timeout)
+        return True, self._new_conn(peer, True, theirs.local_name)
+
+    def accept_local(self, timeout: float | None = None):
+        """Block until an endpoint of this host connect_local()s to this one:
+        (True, its GPU identity string, conn_id)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 0.1 if deadline is None else min(0.1, max(0.0, deadline - time.monotonic()))
+            try:
+                env, pid = self._local_queue.get(timeout=wait)
+                break
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise Timeout(f"accept_local(): no same-host endpoint connected within "
+                                  f"{timeout} s") from None
+        # The connecting side's engine has connected; ours lists it a moment later.
+        until = time.monotonic() + 10.0
+        while pid not in self._engine.peers():
+            if time.monotonic() >= until:
+                raise NotFound(f"accept_local(): the engine of {env.local_name} connected "
+                               "and went away again")
+            time.sleep(0.001)
+        cid = self._new_conn(self._engine.peer(pid), True, env.local_name)
+        with self._lock:
+            self._reserved_pids.discard(pid)
+        return True, env.local_name, cid
+
     # --------------------------------------------------------------- memory
-    def reg(self, ptr: int, size: int, floatType=None):  # noqa: N803 (UCCL's name)
-        del floatType
+    def _add_mr(self, region, cached: bool) -> int:
+        mr = _Mr(region, cached)
+        mr_id = self._next_mr
+        self._next_mr += 1
+        self._mrs[mr_id] = mr
+        return mr_id
+
+    def region(self, mr_id: int):
+        """Ferry extension: the ``ferry.Region`` behind an mr_id."""
+        return self._mr(mr_id).region
+
+    def reg(self, ptr: int, size: int, floatType=FloatType.kUndefined):  # noqa: N803
+        del floatType  # UCCL's compression hint; Ferry does not compress
         region = self._engine.register_ptr(int(ptr), int(size))
-        self._regions[region.id] = region
-        return True, region.id
+        return True, self._add_mr(region, False)
 
     def regv(self, ptrs, sizes):
         if len(ptrs) != len(sizes):
@@ -191,18 +393,25 @@ class Endpoint:
             raise
         return True, ids
 
+    def _release_mr(self, mr_id: int) -> None:
+        mr = self._mrs.pop(mr_id)
+        shared = [m for m in self._mrs.values() if m.region is mr.region]
+        if not shared:
+            if mr in self._cache:
+                self._cache.remove(mr)
+            mr.region.deregister()
+
     def dereg(self, mr_id: int) -> bool:
-        region = self._regions.pop(mr_id, None)
-        if region is None:
-            raise NotFound(f"dereg(): mr_id {mr_id} is not registered")
-        region.deregister()
+        self._mr(mr_id, "dereg()")
+        self._release_mr(mr_id)
         return True
 
-    def _region(self, mr_id: int) -> _ferry.Region:
-        region = self._regions.get(mr_id)
-        if region is None:
-            raise NotFound(f"mr_id {mr_id} is not registered with this endpoint")
-        return region
+    def _mr(self, mr_id: int, what: str = "") -> _Mr:
+        mr = self._mrs.get(mr_id)
+        if mr is None:
+            raise NotFound(f"{what + ': ' if what else ''}mr_id {mr_id} is not registered with "
+                           "this endpoint")
+        return mr
 
     def advertise(self, *args, **kwargs):
         """advertise(mr_id, ptr, size) or UCCL's older advertise(conn_id, mr_id, ptr, size)
@@ -212,7 +421,7 @@ class Endpoint:
             kwargs.pop("conn_id", None)
         mr_id, ptr, size = _pick(args, kwargs, ("mr_id", "ptr", "size"),
                                  aliases={"addr": "ptr", "len": "size"})
-        region = self._region(mr_id)
+        region = self._mr(mr_id, "advertise()").region
         offset = int(ptr) - region.address
         if offset < 0:
             raise InvalidArgument(f"advertise(): address {int(ptr):#x} is below mr {mr_id}")
@@ -233,103 +442,246 @@ class Endpoint:
             out.append(self.advertise(mr_id, ptr, size)[1])
         return True, out
 
+    # ------------------------------------------------ descriptor (NIXL-style) API
+    def register_memory(self, tensor_list):
+        """Register tensors (objects with data_ptr(), numel(), element_size()): one
+        XferDesc each. A tensor inside one already registered here reuses that
+        registration (same lkeys/rkeys); every call gets a distinct mr_id."""
+        spans = []
+        for i, t in enumerate(tensor_list):
+            try:
+                ptr = int(t.data_ptr())
+                size = int(t.numel()) * int(t.element_size())
+            except (AttributeError, TypeError) as exc:
+                raise BadArgument(f"register_memory(): item {i} ({type(t).__name__}) is not a "
+                                  f"tensor (needs data_ptr(), numel(), element_size()): {exc}"
+                                  ) from None
+            spans.append((ptr, size))
+        out, made = [], []
+        try:
+            for ptr, size in spans:
+                base = next((m for m in self._cache if m.region.registered
+                             and _contains(m.region, ptr, size)), None)
+                if base is None:
+                    region = self._engine.register_ptr(ptr, size)
+                    mr_id = self._add_mr(region, True)
+                    self._cache.append(self._mrs[mr_id])
+                else:
+                    region = base.region
+                    mr_id = self._add_mr(region, True)
+                made.append(mr_id)
+                blob = region.advertise(ptr - region.address, size)
+                # UCCL's NIC keys: here the Ferry region's id (equal where shared).
+                keys = [region.id & 0xFFFFFFFF]
+                out.append(XferDesc(ptr, size, mr_id, keys, keys, blob))
+        except BaseException:
+            for mr_id in made:
+                self._release_mr(mr_id)
+            raise
+        return out
+
+    def deregister_memory(self, desc_list) -> None:
+        """Release register_memory descriptors (a registration goes when no
+        descriptor uses it any more). Unknown mr_ids raise ferry.NotFound and
+        release nothing."""
+        descs = [as_desc(d, f"deregister_memory(): item {i}") for i, d in enumerate(desc_list)]
+        ids = [d.mr_id for d in descs if d.mr_id != UINT64_MAX]
+        unknown = [m for m in ids if m not in self._mrs]
+        if unknown or len(set(ids)) != len(ids):
+            raise NotFound(f"deregister_memory(): mr_id(s) {sorted(set(unknown))[:8] or ids} "
+                           "not registered here (or listed twice)")
+        for mr_id in ids:
+            self._release_mr(mr_id)
+
+    @staticmethod
+    def get_serialized_descs(desc_list) -> bytes:
+        return serialize(desc_list)
+
+    @staticmethod
+    def deserialize_descs(serialized_bytes) -> list:
+        return deserialize(serialized_bytes)
+
+    def transfer(self, conn_id: int, op_name: str, local_desc_list, remote_desc_list):
+        """Start ``op_name`` ("write" or "read") of local_desc[i].size bytes between
+        local_desc[i] and remote_desc[i]: (True, transfer_id) for poll_async."""
+        if len(local_desc_list) != len(remote_desc_list):
+            raise BadArgument("transfer(): local and remote descriptors must have the same "
+                              f"size ({len(local_desc_list)} vs {len(remote_desc_list)})")
+        if op_name not in ("write", "read"):
+            raise BadArgument(f"transfer(): Invalid op_name: {op_name!r} (\"write\" or \"read\")")
+        conn = self._conn(conn_id, "transfer()")
+        if not local_desc_list:
+            raise BadArgument("transfer(): no descriptors")
+        local = [as_desc(d, f"transfer(): local item {i}") for i, d in enumerate(local_desc_list)]
+        remote = [as_desc(d, f"transfer(): remote item {i}")
+                  for i, d in enumerate(remote_desc_list)]
+        for i, d in enumerate(remote):
+            if not d.ferry:
+                raise BadArgument(f"transfer(): remote item {i} carries no Ferry descriptor "
+                                  "(use deserialize_descs of the peer's get_serialized_descs)")
+        for i, d in enumerate(local):
+            if d.mr_id not in self._mrs:
+                raise NotFound(f"transfer(): local item {i}: mr_id {d.mr_id} is not registered "
+                               "with this endpoint")
+        t = conn.peer._post_addresses(op_name, [d.addr for d in local], [d.size for d in local],
+                                      [d.ferry for d in remote], async_=True)
+        self._transfers[t.id] = (t, ())
+        return True, t.id
+
     # ------------------------------------------------------------ transfers
-    def _post(self, op, conn_id, mr_ids, ptrs, sizes, metas, async_):
-        if not self._regions.keys() >= set(mr_ids):
-            missing = sorted(set(mr_ids) - self._regions.keys())
-            raise NotFound(f"{op}: mr_id(s) {missing[:8]} are not registered with this endpoint")
-        t = self._peer(conn_id)._post_addresses(op, ptrs, sizes, metas, async_=async_)
+    def _covering(self, ptr: int, size: int):
+        region = self._ipc_regions.get((ptr, size))
+        if region is not None and region.registered:
+            return region
+        for mr in self._mrs.values():
+            if mr.region.registered and _contains(mr.region, ptr, size):
+                return mr.region
+        for region in self._ipc_regions.values():
+            if region.registered and _contains(region, ptr, size):
+                return region
+        return None
+
+    def _post(self, op, what, conn_id, mr_ids, ptrs, sizes, metas, async_):
+        conn = self._conn(conn_id, what)
+        temporary = []
+        if mr_ids is not None:
+            missing = [m for m in mr_ids if m not in self._mrs]
+            if missing:
+                raise NotFound(f"{what}: mr_id(s) {sorted(set(missing))[:8]} are not registered "
+                               "with this endpoint")
+        else:  # *_ipc: local memory need not be registered; register it for this call
+            for p, s in zip(ptrs, sizes):
+                if self._covering(int(p), int(s)) is None:
+                    temporary.append(self._engine.register_ptr(int(p), int(s)))
+        try:
+            t = conn.peer._post_addresses(op, ptrs, sizes, metas, async_=async_)
+        except BaseException:
+            _release(temporary)
+            raise
         if not async_:
+            _release(temporary)
             return True
-        self._transfers[t.id] = t
+        self._transfers[t.id] = (t, temporary)
         return True, t.id
 
     def write(self, conn_id, mr_id, ptr, size, meta):
-        return self._post("write", conn_id, (mr_id,), [ptr], [size], meta, False)
+        return self._post("write", "write()", conn_id, (mr_id,), [ptr], [size], meta, False)
 
     def read(self, conn_id, mr_id, ptr, size, meta):
-        return self._post("read", conn_id, (mr_id,), [ptr], [size], meta, False)
+        return self._post("read", "read()", conn_id, (mr_id,), [ptr], [size], meta, False)
 
     def write_async(self, conn_id, mr_id, ptr, size, meta):
-        return self._post("write", conn_id, (mr_id,), [ptr], [size], meta, True)
+        return self._post("write", "write_async()", conn_id, (mr_id,), [ptr], [size], meta, True)
 
     def read_async(self, conn_id, mr_id, ptr, size, meta):
-        return self._post("read", conn_id, (mr_id,), [ptr], [size], meta, True)
+        return self._post("read", "read_async()", conn_id, (mr_id,), [ptr], [size], meta, True)
 
     def writev(self, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs):
         _check_len(num_iovs, mr_id_v, ptr_v, size_v, meta_blob_v)
-        return self._post("write", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, False)
+        return self._post("write", "writev()", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v,
+                          False)
 
     def readv(self, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs):
         _check_len(num_iovs, mr_id_v, ptr_v, size_v, meta_blob_v)
-        return self._post("read", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, False)
+        return self._post("read", "readv()", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v,
+                          False)
 
     def writev_async(self, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs):
         _check_len(num_iovs, mr_id_v, ptr_v, size_v, meta_blob_v)
-        return self._post("write", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, True)
+        return self._post("write", "writev_async()", conn_id, mr_id_v, ptr_v, size_v,
+                          meta_blob_v, True)
 
     def readv_async(self, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs):
         _check_len(num_iovs, mr_id_v, ptr_v, size_v, meta_blob_v)
-        return self._post("read", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, True)
+        return self._post("read", "readv_async()", conn_id, mr_id_v, ptr_v, size_v,
+                          meta_blob_v, True)
+
+    # ----------------------------------------------------- same-host (IPC) calls
+    def advertise_ipc(self, conn_id, ptr: int, size: int):
+        """(True, 64-byte Ferry descriptor) of [ptr, ptr+size), which need not be
+        registered. conn_id is not used (UCCL ignores it too): any peer may use it."""
+        del conn_id
+        ptr, size = int(ptr), int(size)
+        region = self._covering(ptr, size)
+        if region is None:
+            region = self._ipc_regions[(ptr, size)] = self._engine.register_ptr(ptr, size)
+        return True, region.advertise(ptr - region.address, size)
+
+    def advertisev_ipc(self, conn_id, ptr_v, size_v):
+        if len(ptr_v) != len(size_v):
+            raise InvalidArgument(f"advertisev_ipc(): ptr_v and size_v differ in length "
+                                  f"({len(ptr_v)} vs {len(size_v)})")
+        return True, [self.advertise_ipc(conn_id, p, s)[1] for p, s in zip(ptr_v, size_v)]
+
+    def write_ipc(self, conn_id, ptr, size, info):
+        return self._post("write", "write_ipc()", conn_id, None, [ptr], [size], info, False)
+
+    def read_ipc(self, conn_id, ptr, size, info):
+        return self._post("read", "read_ipc()", conn_id, None, [ptr], [size], info, False)
+
+    def write_ipc_async(self, conn_id, ptr, size, info):
+        return self._post("write", "write_ipc_async()", conn_id, None, [ptr], [size], info, True)
+
+    def read_ipc_async(self, conn_id, ptr, size, info):
+        return self._post("read", "read_ipc_async()", conn_id, None, [ptr], [size], info, True)
+
+    def writev_ipc(self, conn_id, ptr_v, size_v, info_v):
+        _check_len(len(ptr_v), size_v, info_v)
+        return self._post("write", "writev_ipc()", conn_id, None, ptr_v, size_v, info_v, False)
+
+    def readv_ipc(self, conn_id, ptr_v, size_v, info_v):
+        _check_len(len(ptr_v), size_v, info_v)
+        return self._post("read", "readv_ipc()", conn_id, None, ptr_v, size_v, info_v, False)
+
+    def writev_ipc_async(self, conn_id, ptr_v, size_v, info_v):
+        _check_len(len(ptr_v), size_v, info_v)
+        return self._post("write", "writev_ipc_async()", conn_id, None, ptr_v, size_v, info_v,
+                          True)
+
+    def readv_ipc_async(self, conn_id, ptr_v, size_v, info_v):
+        _check_len(len(ptr_v), size_v, info_v)
+        return self._post("read", "readv_ipc_async()", conn_id, None, ptr_v, size_v, info_v,
+                          True)
+
+    # ------------------------------------------------------------ completion
+    def _finish(self, transfer_id: int) -> None:
+        _t, temporary = self._transfers.pop(transfer_id)
+        _release(temporary)
+        self._completed[transfer_id] = None
+        if len(self._completed) > self._COMPLETED_MEMORY:
+            self._completed.popitem(last=False)
 
     def poll_async(self, transfer_id: int):
         """(True, is_done). A failed transfer raises its error (once, when it finishes);
         an id already reported done, or never issued, raises ferry.NotFound."""
-        t = self._transfers.get(transfer_id)
-        if t is None:
+        entry = self._transfers.get(transfer_id)
+        if entry is None:
             if transfer_id in self._completed:
                 raise NotFound(f"poll_async(): transfer {transfer_id} already completed and was "
                                "reported done by an earlier poll_async")
             raise NotFound(f"poll_async(): unknown transfer id {transfer_id}")
+        t = entry[0]
         if not t.done():
             return True, False
-        del self._transfers[transfer_id]
-        self._completed[transfer_id] = None
-        if len(self._completed) > self._COMPLETED_MEMORY:
-            self._completed.popitem(last=False)
+        self._finish(transfer_id)
         t.wait()  # raises the transfer's error, if any
         return True, True
 
     def wait_async(self, transfer_id: int, timeout: float | None = None) -> bool:
         """Ferry extension: block (GIL released, Ctrl-C-able) until the transfer is done."""
-        t = self._transfers.get(transfer_id)
-        if t is None:
+        entry = self._transfers.get(transfer_id)
+        if entry is None:
             return self.poll_async(transfer_id)[1]
+        t = entry[0]
         try:
             t.wait(timeout)
         finally:
             if t.done():
-                self._transfers.pop(transfer_id, None)
-                self._completed[transfer_id] = None
+                self._finish(transfer_id)
         return True
 
-    # ------------------------------------------------- unsupported (for now)
-    def _ipc(name, alt):  # noqa: N805 - factory used in the class body
-        def method(self, *args, **kwargs):
-            raise NotSupported(_IPC_MISSING.format(name=name, alt=alt))
-        method.__name__ = name
-        method.__doc__ = f"Not supported: {name} needs the cuda_ipc transport (raises ferry.NotSupported)."
-        return method
-
-    write_ipc = _ipc("write_ipc", "write")
-    read_ipc = _ipc("read_ipc", "read")
-    writev_ipc = _ipc("writev_ipc", "writev")
-    readv_ipc = _ipc("readv_ipc", "readv")
-    write_ipc_async = _ipc("write_ipc_async", "write_async")
-    read_ipc_async = _ipc("read_ipc_async", "read_async")
-    writev_ipc_async = _ipc("writev_ipc_async", "writev_async")
-    readv_ipc_async = _ipc("readv_ipc_async", "readv_async")
-    advertise_ipc = _ipc("advertise_ipc", "advertise")
-    advertisev_ipc = _ipc("advertisev_ipc", "advertisev")
-    send_ipc = _ipc("send_ipc", "write")
-    recv_ipc = _ipc("recv_ipc", "read")
-    send_ipc_async = _ipc("send_ipc_async", "write_async")
-    recv_ipc_async = _ipc("recv_ipc_async", "read_async")
-    connect_local = _ipc("connect_local", "add_remote_endpoint")
-    accept_local = _ipc("accept_local", "accept")
-    del _ipc
-
-    def _two_sided(name):  # noqa: N805
+    # ---------------------------------------------------------- not provided
+    def _two_sided(name):  # noqa: N805 - factory used in the class body
         def method(self, *args, **kwargs):
             raise NotSupported(
                 f"{name}: Ferry is one-sided; two-sided send/recv is not provided. Advertise "
@@ -343,7 +695,19 @@ class Endpoint:
     recvv = _two_sided("recvv")
     send_async = _two_sided("send_async")
     recv_async = _two_sided("recv_async")
+    send_ipc = _two_sided("send_ipc")
+    recv_ipc = _two_sided("recv_ipc")
+    send_ipc_async = _two_sided("send_ipc_async")
+    recv_ipc_async = _two_sided("recv_ipc_async")
     del _two_sided
+
+
+def _release(regions) -> None:
+    for r in regions:
+        try:
+            r.deregister()
+        except Exception:
+            pass
 
 
 def _check_len(num_iovs, *lists):
