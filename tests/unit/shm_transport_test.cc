@@ -2,12 +2,19 @@
 // through their Unix sockets (cross-memory attach on our own pid works as it
 // does between processes). Writes and reads with and without notifications,
 // large transfers cut into requests, target-side refusals, deregistration,
-// both directions of one connection, and peer loss.
+// both directions of one connection, and peer loss -- each in both modes
+// (shm.mode auto, which is cross-memory attach here, and staging). Then the
+// staging mode's own cases: the choice reported, conflicting modes refused,
+// a small area pipelining a large transfer, and a raw peer whose offsets and
+// area the target must distrust.
 #include "transport/shm/shm_transport.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sodium.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,6 +26,7 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fmt/format.h"
@@ -58,8 +66,13 @@ class Events : public TransportEvents {
   std::map<PeerId, Status> down;
 };
 
+// The mode every Side of the running test takes unless it names one.
+std::string g_mode = "auto";
+using Options = std::map<std::string, std::string>;
+
 struct Side {
   explicit Side(std::map<std::string, std::string> given = {}) {
+    given.emplace("shm.mode", g_mode);
     auto o = OptionSet::resolve(std::span<const OptionSpec>(kShmOptionSpecs, kShmOptionSpecCount),
                                 given);
     EXPECT_TRUE(o.ok()) << o.status().to_string();
@@ -80,24 +93,38 @@ struct Side {
   Status started;
 };
 
-class ShmTransportTest : public ::testing::Test {
+// a connects to b; both see each other up.
+void connect_sides(Side& a, Side& b) {
+  ASSERT_TRUE(a.started.ok()) << a.started.to_string();
+  ASSERT_TRUE(b.started.ok()) << b.started.to_string();
+  auto peer = a.transport.connect(b.transport.local_address(), b.id);
+  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  ASSERT_EQ(*peer, b.id);
+  ASSERT_TRUE(a.transport.is_connected(b.id));
+  ASSERT_TRUE(b.events.wait_for([&] { return b.events.up.count(a.id) == 1; }));
+  ASSERT_TRUE(b.transport.is_connected(a.id));
+}
+
+class ShmTransportTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+    g_mode = GetParam();
     ASSERT_GE(sodium_init(), 0);
-    if (Status s = check_self(); !s.ok()) GTEST_SKIP() << s.message();
+    if (Status s = check_self(); !s.ok() && g_mode != "staging") GTEST_SKIP() << s.message();
   }
-  // a connects to b; both see each other up.
+  // a connects to b in the test's mode; both see each other up, and say how.
   static void join(Side& a, Side& b) {
-    ASSERT_TRUE(a.started.ok()) << a.started.to_string();
-    ASSERT_TRUE(b.started.ok()) << b.started.to_string();
-    auto peer = a.transport.connect(b.transport.local_address(), b.id);
-    ASSERT_TRUE(peer.ok()) << peer.status().to_string();
-    ASSERT_EQ(*peer, b.id);
-    ASSERT_TRUE(a.transport.is_connected(b.id));
-    ASSERT_TRUE(b.events.wait_for([&] { return b.events.up.count(a.id) == 1; }));
-    ASSERT_TRUE(b.transport.is_connected(a.id));
+    ASSERT_NO_FATAL_FAILURE(connect_sides(a, b));
+    const bool staged = g_mode == "staging";
+    EXPECT_EQ(a.transport.peer_address(b.id).find("shared memory") != std::string::npos, staged)
+        << a.transport.peer_address(b.id);
+    EXPECT_EQ(b.transport.peer_address(a.id).find("shared memory") != std::string::npos, staged)
+        << b.transport.peer_address(a.id);
   }
 };
+
+INSTANTIATE_TEST_SUITE_P(Modes, ShmTransportTest, ::testing::Values("auto", "staging"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 struct Buffer {
   explicit Buffer(size_t n, uint8_t seed = 0) : bytes(n) {
@@ -130,7 +157,7 @@ Status run(const std::shared_ptr<Transfer>& t) {
   return t->status();
 }
 
-TEST_F(ShmTransportTest, WriteAndReadSmallAndLarge) {
+TEST_P(ShmTransportTest, WriteAndReadSmallAndLarge) {
   Side a, b;
   join(a, b);
   for (size_t n : {size_t{1}, size_t{4096}, size_t{9} << 20}) {  // 9 MiB: 3 requests
@@ -147,7 +174,7 @@ TEST_F(ShmTransportTest, WriteAndReadSmallAndLarge) {
   }
 }
 
-TEST_F(ShmTransportTest, ManySegmentsSpanSeveralRequests) {
+TEST_P(ShmTransportTest, ManySegmentsSpanSeveralRequests) {
   Side a(std::map<std::string, std::string>{{"shm.max_request_segments", "16"}});
   Side b;
   join(a, b);
@@ -173,7 +200,7 @@ TEST_F(ShmTransportTest, ManySegmentsSpanSeveralRequests) {
   EXPECT_EQ(b.events.notes[0].second, (Bytes{'o', 'k'}));
 }
 
-TEST_F(ShmTransportTest, NotificationsEmbeddedAndStandalone) {
+TEST_P(ShmTransportTest, NotificationsEmbeddedAndStandalone) {
   Side a, b;
   join(a, b);
   Buffer src(100, 1), dst(100, 2);
@@ -194,7 +221,7 @@ TEST_F(ShmTransportTest, NotificationsEmbeddedAndStandalone) {
             StatusCode::kInvalidArgument);
 }
 
-TEST_F(ShmTransportTest, TargetRefusesAndNothingIsCopied) {
+TEST_P(ShmTransportTest, TargetRefusesAndNothingIsCopied) {
   Side a, b;
   join(a, b);
   Buffer src(256, 1), dst(256, 2);
@@ -231,7 +258,7 @@ TEST_F(ShmTransportTest, TargetRefusesAndNothingIsCopied) {
   EXPECT_TRUE(b.events.notes.empty());  // failed writes deliver no notification
 }
 
-TEST_F(ShmTransportTest, DeregisteredRegionIsNotFound) {
+TEST_P(ShmTransportTest, DeregisteredRegionIsNotFound) {
   Side a, b;
   join(a, b);
   Buffer src(64, 1), dst(64, 2);
@@ -245,7 +272,7 @@ TEST_F(ShmTransportTest, DeregisteredRegionIsNotFound) {
   EXPECT_NE(s.message().find(std::to_string(region)), std::string::npos) << s.message();
 }
 
-TEST_F(ShmTransportTest, BothDirectionsOnOneConnection) {
+TEST_P(ShmTransportTest, BothDirectionsOnOneConnection) {
   Side a, b;
   join(a, b);
   Buffer src(1000, 1), dst(1000, 2);
@@ -258,7 +285,7 @@ TEST_F(ShmTransportTest, BothDirectionsOnOneConnection) {
   EXPECT_NE(b.transport.peer_address(a.id).find("pid "), std::string::npos);
 }
 
-TEST_F(ShmTransportTest, RefusalsAtConnect) {
+TEST_P(ShmTransportTest, RefusalsAtConnect) {
   Side a, b;
   ASSERT_TRUE(a.started.ok());
   ASSERT_TRUE(b.started.ok());
@@ -285,7 +312,7 @@ TEST_F(ShmTransportTest, RefusalsAtConnect) {
   EXPECT_EQ(a.transport.post_write(b.id, t, {gpu}).code(), StatusCode::kNotSupported);
 }
 
-TEST_F(ShmTransportTest, PeerShutdownFailsInFlightAndReportsDown) {
+TEST_P(ShmTransportTest, PeerShutdownFailsInFlightAndReportsDown) {
   Side a;
   auto b = std::make_unique<Side>();
   join(a, *b);
@@ -300,7 +327,7 @@ TEST_F(ShmTransportTest, PeerShutdownFailsInFlightAndReportsDown) {
   EXPECT_NE(s.message().find(fmt::format("{:016x}", bid)), std::string::npos) << s.message();
 }
 
-TEST_F(ShmTransportTest, CancelReturnsOnceAnswered) {
+TEST_P(ShmTransportTest, CancelReturnsOnceAnswered) {
   Side a, b;
   join(a, b);
   Buffer src(8 << 20, 1), dst(8 << 20, 2);
@@ -318,7 +345,7 @@ TEST_F(ShmTransportTest, CancelReturnsOnceAnswered) {
 // Two real processes: the child owns a region, the parent writes into it and
 // reads it back through the child's socket, then the child is killed and the
 // parent's transfer fails at once with the peer down.
-TEST_F(ShmTransportTest, CrossProcessWriteReadAndKill) {
+TEST_P(ShmTransportTest, CrossProcessWriteReadAndKill) {
   int to_parent[2], to_child[2];
   ASSERT_EQ(pipe(to_parent), 0);
   ASSERT_EQ(pipe(to_child), 0);
@@ -385,6 +412,394 @@ TEST_F(ShmTransportTest, CrossProcessWriteReadAndKill) {
   EXPECT_EQ(a.transport.post_write(d->engine_id, late, {seg(src.bytes.data(), 8, *d, 0)}).code(),
             StatusCode::kPeerDisconnected);
   for (int fd : {to_parent[0], to_parent[1], to_child[0], to_child[1]}) close(fd);
+}
+
+// ------------------------------------------------------------ staging mode ---
+
+class ShmStagingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    g_mode = "auto";
+    ASSERT_GE(sodium_init(), 0);
+  }
+};
+
+std::vector<uint8_t> random_bytes(size_t n) {
+  std::vector<uint8_t> v(n);
+  randombytes_buf(v.data(), v.size());
+  return v;
+}
+
+TEST_F(ShmStagingTest, ChoiceIsReportedOnBothSides) {
+  Side a(Options{{"shm.mode", "staging"}});
+  Side b;  // auto: follows the peer's setting
+  ASSERT_TRUE(a.started.ok() && b.started.ok());
+  auto peer = a.transport.connect(b.transport.local_address(), b.id);
+  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  ASSERT_TRUE(b.events.wait_for([&] { return b.events.up.count(a.id) == 1; }));
+  EXPECT_NE(a.transport.peer_address(b.id).find("shared memory (shm.mode=staging on this engine)"),
+            std::string::npos)
+      << a.transport.peer_address(b.id);
+  EXPECT_NE(b.transport.peer_address(a.id).find("shared memory (shm.mode=staging on the peer)"),
+            std::string::npos)
+      << b.transport.peer_address(a.id);
+  // Both directions move data.
+  std::vector<uint8_t> src = random_bytes(5000), at_a(5000), at_b(5000);
+  RemoteDescriptor da = advertise(a, at_a, kAccessReadWrite);
+  RemoteDescriptor db = advertise(b, at_b, kAccessReadWrite);
+  auto w = std::make_shared<Transfer>(1, TransferOp::kWrite, b.id);
+  ASSERT_TRUE(a.transport.post_write(b.id, w, {seg(src.data(), 5000, db, 0)}).ok());
+  ASSERT_TRUE(run(w).ok()) << w->status().to_string();
+  auto w2 = std::make_shared<Transfer>(2, TransferOp::kWrite, a.id);
+  ASSERT_TRUE(b.transport.post_write(a.id, w2, {seg(at_b.data(), 5000, da, 0)}).ok());
+  ASSERT_TRUE(run(w2).ok()) << w2->status().to_string();
+  EXPECT_EQ(at_a, src);
+}
+
+TEST_F(ShmStagingTest, ConflictingForcedModesAreRefused) {
+  for (const auto& [mine, theirs] : {std::pair{"cma", "staging"}, std::pair{"staging", "cma"}}) {
+    Side a(Options{{"shm.mode", mine}});
+    Side b(Options{{"shm.mode", theirs}});
+    if (!a.started.ok() || !b.started.ok()) GTEST_SKIP() << "cross-memory attach unavailable";
+    auto peer = a.transport.connect(b.transport.local_address(), b.id);
+    ASSERT_FALSE(peer.ok());
+    EXPECT_EQ(peer.status().code(), StatusCode::kInvalidArgument) << peer.status().to_string();
+    EXPECT_NE(peer.status().message().find(fmt::format("shm.mode is {}", theirs)),
+              std::string::npos)
+        << peer.status().to_string();
+    EXPECT_FALSE(a.transport.is_connected(b.id));
+  }
+  Side bad(Options{{"shm.mode", "sometimes"}});
+  EXPECT_EQ(bad.started.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.started.message().find("'sometimes'"), std::string::npos) << bad.started.message();
+}
+
+TEST_F(ShmStagingTest, SmallAreaPipelinesLargeScatteredTransfers) {
+  // 1 MiB areas: a 48 MiB write runs as 192 requests of 256 KiB through them.
+  const Options options{{"shm.mode", "staging"}, {"shm.staging_bytes", "1MiB"}};
+  Side a(options), b(options);
+  connect_sides(a, b);
+  const size_t n = 48 << 20;
+  std::vector<uint8_t> src = random_bytes(n), dst(n), back(n);
+  RemoteDescriptor d = advertise(b, dst, kAccessReadWrite);
+  auto w = std::make_shared<Transfer>(1, TransferOp::kWrite, b.id);
+  w->has_notification = true;
+  w->notification = {'d', 'o', 'n', 'e'};
+  ASSERT_TRUE(a.transport.post_write(b.id, w, {seg(src.data(), n, d, 0)}).ok());
+  ASSERT_TRUE(run(w).ok()) << w->status().to_string();
+  ASSERT_TRUE(dst == src);
+  {
+    std::lock_guard lock(b.events.mu);
+    ASSERT_EQ(b.events.notes.size(), 1u);
+    EXPECT_EQ(b.events.notes[0].second, (Bytes{'d', 'o', 'n', 'e'}));
+  }
+  auto r = std::make_shared<Transfer>(2, TransferOp::kRead, b.id);
+  ASSERT_TRUE(a.transport.post_read(b.id, r, {seg(back.data(), n, d, 0)}).ok());
+  ASSERT_TRUE(run(r).ok()) << r->status().to_string();
+  ASSERT_TRUE(back == src);
+  // 100,000 iovs of odd sizes, scattered both ways, read back scattered.
+  const size_t count = 100000, block = 37;
+  std::vector<uint8_t> small = random_bytes(count * block), got(count * block);
+  std::vector<Segment> writes, reads;
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t remote = (count - 1 - i) * block;
+    writes.push_back(seg(small.data() + i * block, block, d, remote));
+    reads.push_back(seg(got.data() + i * block, block, d, remote));
+  }
+  auto w2 = std::make_shared<Transfer>(3, TransferOp::kWrite, b.id);
+  ASSERT_TRUE(a.transport.post_write(b.id, w2, writes).ok());
+  ASSERT_TRUE(run(w2).ok()) << w2->status().to_string();
+  for (size_t i = 0; i < count; ++i) {
+    ASSERT_EQ(0, std::memcmp(dst.data() + (count - 1 - i) * block, small.data() + i * block, block))
+        << i;
+  }
+  auto r2 = std::make_shared<Transfer>(4, TransferOp::kRead, b.id);
+  ASSERT_TRUE(a.transport.post_read(b.id, r2, reads).ok());
+  ASSERT_TRUE(run(r2).ok()) << r2->status().to_string();
+  ASSERT_TRUE(got == small);
+}
+
+TEST_F(ShmStagingTest, CancelledReadCopiesNothingOut) {
+  const Options options{{"shm.mode", "staging"}, {"shm.staging_bytes", "1MiB"}};
+  Side a(options), b(options);
+  connect_sides(a, b);
+  const size_t n = 32 << 20;
+  std::vector<uint8_t> src = random_bytes(n), dst(n, 0);
+  RemoteDescriptor d = advertise(b, src, kAccessRead);
+  auto r = std::make_shared<Transfer>(1, TransferOp::kRead, b.id);
+  std::thread poster([&] { (void)a.transport.post_read(b.id, r, {seg(dst.data(), n, d, 0)}); });
+  std::this_thread::sleep_for(2ms);
+  a.transport.cancel(*r);
+  poster.join();
+  // Nothing lands after cancel() returned.
+  const std::vector<uint8_t> after = dst;
+  std::this_thread::sleep_for(50ms);
+  EXPECT_TRUE(dst == after);
+  // The connection still serves.
+  std::vector<uint8_t> small(4096);
+  auto r2 = std::make_shared<Transfer>(2, TransferOp::kRead, b.id);
+  ASSERT_TRUE(a.transport.post_read(b.id, r2, {seg(small.data(), 4096, d, 0)}).ok());
+  ASSERT_TRUE(run(r2).ok()) << r2->status().to_string();
+  EXPECT_EQ(0, std::memcmp(small.data(), src.data(), 4096));
+}
+
+// A hand-written peer on b's socket: it speaks the handshake itself, so it
+// can offer areas the target must refuse and name offsets outside its area.
+class RawPeer {
+ public:
+  explicit RawPeer(const Side& target) : target_(target) {
+    auto address = decode_address(target.transport.local_address());
+    EXPECT_TRUE(address.ok());
+    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::memcpy(sa.sun_path, address->socket_path.data(), address->socket_path.size());
+    EXPECT_EQ(::connect(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+    timeval tv{5, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    randombytes_buf(&id_, sizeof id_);
+  }
+  ~RawPeer() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  // HELLO (staging) → HELLO_ACK; the target's area is closed, unused.
+  HelloAck hello() {
+    Hello h;
+    h.engine_id = id_;
+    h.expected_engine_id = target_.id;
+    h.probe_address = reinterpret_cast<uint64_t>(&probe_);
+    h.probe_value = probe_;
+    h.mode = Mode::kStaging;
+    send(encode_hello(h));
+    int fd = -1;
+    Bytes body = receive(Op::kHelloAck, &fd);
+    EXPECT_GE(fd, 0);
+    if (fd >= 0) ::close(fd);
+    auto ack = decode_hello_ack(body);
+    EXPECT_TRUE(ack.ok()) << ack.status().to_string();
+    return ack.ok() ? *ack : HelloAck{};
+  }
+
+  // HELLO_DONE choosing staging, with `area` attached.
+  void done(int area, uint64_t bytes) {
+    HelloDone d;
+    d.mode = Mode::kStaging;
+    d.staging_bytes = bytes;
+    const Bytes frame = encode_hello_done(d);
+    iovec iov{const_cast<uint8_t*>(frame.data()), frame.size()};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr m{};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = control;
+    m.msg_controllen = sizeof control;
+    cmsghdr* c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &area, sizeof(int));
+    EXPECT_EQ(::sendmsg(fd_, &m, MSG_NOSIGNAL), static_cast<ssize_t>(frame.size()));
+  }
+
+  Status write(uint64_t id, const std::vector<WireSegment>& segments) {
+    send(encode_request(Op::kWriteReq, id, segments, false, {}, /*staged=*/true));
+    auto response = decode_response(receive(Op::kResponse, nullptr));
+    EXPECT_TRUE(response.ok());
+    EXPECT_EQ(response->id, id);
+    return response->status;
+  }
+
+  // True when the target closed the connection.
+  bool closed() {
+    uint8_t byte;
+    return ::recv(fd_, &byte, 1, 0) == 0;
+  }
+
+  uint64_t id() const { return id_; }
+
+ private:
+  void send(const Bytes& frame) {
+    EXPECT_EQ(::send(fd_, frame.data(), frame.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(frame.size()));
+  }
+  Bytes receive(Op op, int* fd) {
+    Bytes head(kFrameHeaderBytes);
+    read_all(head.data(), head.size(), fd);
+    auto h = decode_header(head);
+    EXPECT_TRUE(h.ok());
+    EXPECT_EQ(h->op, op);
+    Bytes body(h->body_bytes);
+    read_all(body.data(), body.size(), fd);
+    return body;
+  }
+  void read_all(uint8_t* out, size_t n, int* fd) {
+    size_t done = 0;
+    while (done < n) {
+      iovec iov{out + done, n - done};
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+      msghdr m{};
+      m.msg_iov = &iov;
+      m.msg_iovlen = 1;
+      m.msg_control = control;
+      m.msg_controllen = sizeof control;
+      const ssize_t r = ::recvmsg(fd_, &m, MSG_CMSG_CLOEXEC);
+      ASSERT_GT(r, 0) << "the target closed the connection or timed out";
+      for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
+        if (c->cmsg_type == SCM_RIGHTS && fd) std::memcpy(fd, CMSG_DATA(c), sizeof(int));
+      }
+      done += static_cast<size_t>(r);
+    }
+  }
+
+  const Side& target_;
+  int fd_ = -1;
+  uint64_t id_ = 0;
+  uint64_t probe_ = 0x5eed;
+};
+
+TEST_F(ShmStagingTest, TargetChecksOffsetsAgainstTheArea) {
+  Side b;
+  ASSERT_TRUE(b.started.ok()) << b.started.to_string();
+  RawPeer raw(b);
+  const HelloAck ack = raw.hello();
+  EXPECT_EQ(ack.staging_bytes, 32u << 20);  // the default shm.staging_bytes
+  auto area = StagingArea::create(kMinStagingBytes, "raw-peer");
+  ASSERT_TRUE(area.ok()) << area.status().to_string();
+  raw.done(area->fd(), area->size());
+  ASSERT_TRUE(b.events.wait_for([&] { return b.events.up.count(raw.id()) == 1; }));
+
+  std::vector<uint8_t> dst(4096, 0x11);
+  const std::vector<uint8_t> before = dst;
+  RemoteDescriptor d = advertise(b, dst, kAccessReadWrite);
+  auto segment = [&](uint64_t area_offset, uint64_t offset, uint64_t length) {
+    WireSegment w;
+    w.remote = {d.region_id, d.region_offset, d.length, d.key, d.access, offset, length};
+    w.address = area_offset;
+    return w;
+  };
+  std::memset(area->data(), 0xAB, area->size());
+  const uint64_t end = area->size();
+  // Past the end, straddling the end, and a good segment before a bad one.
+  for (const auto& segs : std::vector<std::vector<WireSegment>>{
+           {segment(end, 0, 64)},
+           {segment(end - 10, 0, 64)},
+           {segment(0, 0, 64), segment(UINT64_MAX - 100, 64, 64)}}) {
+    Status s = raw.write(7, segs);
+    EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.to_string();
+    EXPECT_NE(s.message().find("outside the peer's 1048576-byte staging area"), std::string::npos)
+        << s.message();
+    EXPECT_TRUE(dst == before);
+  }
+  // The same connection still serves a good request: the bytes come from
+  // the raw peer's area.
+  ASSERT_TRUE(raw.write(8, {segment(end - 64, 100, 64)}).ok());
+  for (size_t i = 0; i < dst.size(); ++i) {
+    ASSERT_EQ(dst[i], i >= 100 && i < 164 ? 0xAB : 0x11) << i;
+  }
+}
+
+TEST_F(ShmStagingTest, UnsealedOrMisreportedAreasAreRefused) {
+  Side b;
+  ASSERT_TRUE(b.started.ok()) << b.started.to_string();
+  // A memfd that could shrink under the target's mapping.
+  {
+    RawPeer raw(b);
+    raw.hello();
+    const int fd = memfd_create("unsealed", MFD_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, kMinStagingBytes), 0);
+    raw.done(fd, kMinStagingBytes);
+    ::close(fd);
+    EXPECT_TRUE(raw.closed());
+  }
+  // A sealed one of another size than announced.
+  {
+    RawPeer raw(b);
+    raw.hello();
+    auto area = StagingArea::create(kMinStagingBytes, "raw-peer");
+    ASSERT_TRUE(area.ok());
+    raw.done(area->fd(), 2 * kMinStagingBytes);
+    EXPECT_TRUE(raw.closed());
+  }
+  // Not a memfd at all.
+  {
+    RawPeer raw(b);
+    raw.hello();
+    int pipefd[2];
+    ASSERT_EQ(pipe(pipefd), 0);
+    raw.done(pipefd[0], kMinStagingBytes);
+    ::close(pipefd[0]);
+    ::close(pipefd[1]);
+    EXPECT_TRUE(raw.closed());
+  }
+  std::lock_guard lock(b.events.mu);
+  EXPECT_TRUE(b.events.up.empty());
+}
+
+// A peer process killed while a large staged write runs: the write fails
+// promptly with the peer down, never hangs waiting for staging space.
+TEST_F(ShmStagingTest, PeerKilledMidTransfer) {
+  int to_parent[2];
+  ASSERT_EQ(pipe(to_parent), 0);
+  const size_t n = 64 << 20;
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    Side b(Options{{"shm.mode", "staging"}, {"shm.copy_threads", "1"}});
+    if (!b.started.ok()) _exit(2);
+    std::vector<uint8_t> dst(n);
+    RemoteDescriptor d = advertise(b, dst, kAccessReadWrite);
+    const Bytes address = b.transport.local_address();
+    const Bytes desc = d.to_bytes();
+    const uint32_t len = static_cast<uint32_t>(address.size());
+    if (write(to_parent[1], &len, 4) != 4 || write(to_parent[1], address.data(), len) != len ||
+        write(to_parent[1], desc.data(), desc.size()) != static_cast<ssize_t>(desc.size())) {
+      _exit(3);
+    }
+    pause();
+    _exit(0);
+  }
+  uint32_t len = 0;
+  ASSERT_EQ(read(to_parent[0], &len, 4), 4);
+  Bytes address(len);
+  ASSERT_EQ(read(to_parent[0], address.data(), len), static_cast<ssize_t>(len));
+  Bytes desc(RemoteDescriptor::kEncodedSize);
+  ASSERT_EQ(read(to_parent[0], desc.data(), desc.size()), static_cast<ssize_t>(desc.size()));
+  auto d = RemoteDescriptor::from_bytes(desc);
+  ASSERT_TRUE(d.ok());
+  Side a(Options{{"shm.mode", "staging"}, {"shm.staging_bytes", "1MiB"}});
+  auto peer = a.transport.connect(address, d->engine_id);
+  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  std::vector<uint8_t> src(n, 0x5A);
+  // Writes back to back until one fails: the kill lands in one of them.
+  Status failed;
+  int done = 0;
+  std::thread poster([&] {
+    for (uint64_t id = 1;; ++id) {
+      auto w = std::make_shared<Transfer>(id, TransferOp::kWrite, d->engine_id);
+      failed = a.transport.post_write(d->engine_id, w, {seg(src.data(), n, *d, 0)});
+      if (!failed.ok()) return;  // post() saw the connection die
+      if (!w->wait_until(std::chrono::steady_clock::now() + 5s)) {
+        failed = err::Timeout("the write neither completed nor failed in 5 s");
+        return;
+      }
+      failed = w->status();
+      if (!failed.ok()) return;
+      ++done;
+    }
+  });
+  std::this_thread::sleep_for(100ms);
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  const auto start = std::chrono::steady_clock::now();
+  poster.join();
+  EXPECT_EQ(failed.code(), StatusCode::kPeerDisconnected) << failed.to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  RecordProperty("writes_before_the_kill", done);
+  ASSERT_TRUE(a.events.wait_for([&] { return a.events.down.count(d->engine_id) == 1; }));
+  close(to_parent[0]);
+  close(to_parent[1]);
 }
 
 }  // namespace

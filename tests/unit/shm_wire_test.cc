@@ -299,12 +299,135 @@ TEST(ShmWire, HandshakeRoundTrips) {
   EXPECT_EQ(rd->status.code(), StatusCode::kPermissionDenied);
   EXPECT_EQ(rd->status.message(), refused.status.message());
 
-  Status carried;
-  ASSERT_TRUE(
-      decode_hello_done(split(encode_hello_done(err::NotSupported("no"))).body, &carried).ok());
-  EXPECT_EQ(carried.code(), StatusCode::kNotSupported);
-  EXPECT_EQ(carried.message(), "no");
-  EXPECT_FALSE(decode_hello_done(Bytes{0, 0}, &carried).ok());
+  HelloDone no;
+  no.status = err::NotSupported("no");
+  auto nd = decode_hello_done(split(encode_hello_done(no)).body);
+  ASSERT_TRUE(nd.ok()) << nd.status().to_string();
+  EXPECT_EQ(nd->status.code(), StatusCode::kNotSupported);
+  EXPECT_EQ(nd->status.message(), "no");
+  EXPECT_FALSE(decode_hello_done(Bytes{0, 0}).ok());
+  HelloDone cma;
+  auto cd = decode_hello_done(split(encode_hello_done(cma)).body);
+  ASSERT_TRUE(cd.ok()) << cd.status().to_string();
+  EXPECT_TRUE(cd->status.ok());
+  EXPECT_EQ(cd->mode, Mode::kCma);
+  EXPECT_TRUE(cd->cma_refusal.empty());
+  EXPECT_EQ(cd->staging_bytes, 0u);
+}
+
+TEST(ShmWire, HandshakeCarriesModesRefusalsAndAreas) {
+  Hello h;
+  h.engine_id = 1;
+  h.probe_address = 0x1000;
+  h.mode = Mode::kStaging;
+  auto hd = decode_hello(split(encode_hello(h)).body);
+  ASSERT_TRUE(hd.ok()) << hd.status().to_string();
+  EXPECT_EQ(hd->mode, Mode::kStaging);
+  // An unknown mode, and the reserved bytes beside it.
+  Bytes body = split(encode_hello(h)).body;
+  body[28] = 3;
+  EXPECT_FALSE(decode_hello(body).ok());
+  body = split(encode_hello(h)).body;
+  body[30] = 1;
+  EXPECT_FALSE(decode_hello(body).ok());
+
+  // Ok, but the acceptor's probe failed: the reason travels, with an area.
+  HelloAck a;
+  a.engine_id = 2;
+  a.probe_address = 0x2000;
+  a.mode = Mode::kAuto;
+  a.cma_refusal = "cross-memory attach to pid 7 refused: EPERM";
+  a.staging_bytes = 32 << 20;
+  const Split af = split(encode_hello_ack(a));
+  EXPECT_EQ(af.body.size(), kHelloAckFixedBytes + a.cma_refusal.size());
+  auto ad = decode_hello_ack(af.body);
+  ASSERT_TRUE(ad.ok()) << ad.status().to_string();
+  EXPECT_TRUE(ad->status.ok());
+  EXPECT_EQ(ad->cma_refusal, a.cma_refusal);
+  EXPECT_EQ(ad->staging_bytes, a.staging_bytes);
+  EXPECT_EQ(ad->mode, Mode::kAuto);
+  for (size_t n = 0; n < af.body.size(); ++n) {
+    GuardedBuffer g(ByteView(af.body).first(n));
+    EXPECT_FALSE(decode_hello_ack(g.span()).ok()) << n;
+  }
+  // The area flag without a size, a size without the flag, unknown flags,
+  // the refusal flag without a message.
+  body = af.body;
+  body[3] &= static_cast<uint8_t>(~kHandshakeArea);
+  EXPECT_FALSE(decode_hello_ack(body).ok());
+  body = af.body;
+  std::memset(body.data() + 40, 0, 8);
+  EXPECT_FALSE(decode_hello_ack(body).ok());
+  body = af.body;
+  body[3] |= 0x80;
+  EXPECT_FALSE(decode_hello_ack(body).ok());
+  HelloAck plain = a;
+  plain.cma_refusal.clear();
+  body = split(encode_hello_ack(plain)).body;
+  ASSERT_TRUE(decode_hello_ack(body).ok());
+  body[3] |= kHandshakeCmaRefused;
+  EXPECT_FALSE(decode_hello_ack(body).ok());
+
+  HelloDone d;
+  d.mode = Mode::kStaging;
+  d.cma_refusal = "cross-memory attach to pid 9 refused";
+  d.staging_bytes = 1 << 20;
+  const Split df = split(encode_hello_done(d));
+  EXPECT_EQ(df.body.size(), kHelloDoneFixedBytes + d.cma_refusal.size());
+  auto dd = decode_hello_done(df.body);
+  ASSERT_TRUE(dd.ok()) << dd.status().to_string();
+  EXPECT_EQ(dd->mode, Mode::kStaging);
+  EXPECT_EQ(dd->cma_refusal, d.cma_refusal);
+  EXPECT_EQ(dd->staging_bytes, d.staging_bytes);
+  for (size_t n = 0; n < df.body.size(); ++n) {
+    GuardedBuffer g(ByteView(df.body).first(n));
+    EXPECT_FALSE(decode_hello_done(g.span()).ok()) << n;
+  }
+  // Staging without an area, cma with one, an accepted connection without a
+  // mode.
+  HelloDone bad = d;
+  bad.staging_bytes = 0;
+  EXPECT_FALSE(decode_hello_done(split(encode_hello_done(bad)).body).ok());
+  bad = d;
+  bad.mode = Mode::kCma;
+  EXPECT_FALSE(decode_hello_done(split(encode_hello_done(bad)).body).ok());
+  bad = d;
+  bad.mode = Mode::kAuto;
+  bad.staging_bytes = 0;
+  EXPECT_FALSE(decode_hello_done(split(encode_hello_done(bad)).body).ok());
+}
+
+TEST(ShmWire, StagedRequestsNameOffsets) {
+  // Offset 0 is the start of the area: allowed only with kFlagStaged.
+  WireSegment s = segment(0);
+  s.address = 0;
+  Split f = split(encode_request(Op::kWriteReq, 5, std::vector<WireSegment>{s}, true, Bytes{1, 2},
+                                 /*staged=*/true));
+  EXPECT_EQ(f.header.flags, kFlagNotification | kFlagStaged);
+  auto r = decode_request(f.header, f.body);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_TRUE(r->staged);
+  EXPECT_TRUE(r->has_notification);
+  EXPECT_EQ(r->segments[0].address, 0u);
+  f = split(encode_request(Op::kReadReq, 6, std::vector<WireSegment>{s}, false, {}, true));
+  EXPECT_EQ(f.header.flags, kFlagStaged);
+  r = decode_request(f.header, f.body);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_TRUE(r->staged);
+  f = split(encode_request(Op::kReadReq, 6, std::vector<WireSegment>{s}, false, {}, false));
+  EXPECT_FALSE(decode_request(f.header, f.body).ok());
+  // Wrapping offsets stay impossible.
+  s.address = UINT64_MAX - 8;
+  f = split(encode_request(Op::kWriteReq, 7, std::vector<WireSegment>{s}, false, {}, true));
+  EXPECT_FALSE(decode_request(f.header, f.body).ok());
+  // The flag is refused on a NOTIFY_REQ header and on responses.
+  EXPECT_FALSE(decode_header(header_bytes(kFrameMagic, kWireVersion,
+                                          static_cast<uint8_t>(Op::kNotifyReq), kFlagStaged, 16))
+                   .ok());
+  EXPECT_FALSE(decode_header(header_bytes(kFrameMagic, kWireVersion,
+                                          static_cast<uint8_t>(Op::kResponse), kFlagStaged, 16))
+                   .ok());
+  EXPECT_STREQ(mode_name(Mode::kStaging), "staging");
 }
 
 TEST(ShmWire, AddressRoundTripAndRejection) {

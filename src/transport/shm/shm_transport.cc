@@ -50,7 +50,19 @@ const OptionSpec kShmOptionSpecs[] = {
      "copy); then the connection is shut down",
      1, 3600000},
     {"shm.send_timeout_ms", OptionType::kDurationMs, "10000",
-     "a peer that does not drain its control socket for this long is declared dead", 100, 3600000},
+     "a peer that does not drain its control socket (or, in staging mode, give back staging "
+     "space by answering) for this long is declared dead",
+     100, 3600000},
+    {"shm.mode", OptionType::kString, "auto",
+     "how bytes move between the two processes: auto (cross-memory attach when the probe at "
+     "connect succeeds both ways, else shared-memory staging), cma (cross-memory attach only; a "
+     "refused probe leaves host memory to another transport), staging (always through shared "
+     "memory: two copies, no ptrace permission needed)"},
+    {"shm.staging_bytes", OptionType::kBytes, "32MiB",
+     "staging mode: size of the shared-memory area (a sealed memfd) each side creates per "
+     "connection for the requests it initiates; it bounds the bytes in flight per connection "
+     "and direction",
+     kMinStagingBytes, kMaxStagingBytes},
 };
 const size_t kShmOptionSpecCount = std::size(kShmOptionSpecs);
 
@@ -103,16 +115,59 @@ Status send_all(int fd, ByteView data, Clock::time_point deadline) {
   return Status::Ok();
 }
 
-// Receives exactly `n` bytes on a non-blocking socket before `deadline`.
-Status recv_exact(int fd, uint8_t* out, size_t n, Clock::time_point deadline) {
+// Descriptors that arrived with SCM_RIGHTS, closed unless taken.
+struct ReceivedFds {
+  ~ReceivedFds() { close_all(); }
+  void close_all() {
+    for (int fd : fds) ::close(fd);
+    fds.clear();
+  }
+  std::vector<int> fds;
+};
+
+constexpr size_t kMaxFdsPerRecv = 4;
+
+// One recvmsg: bytes into `out`, descriptors appended to *fds. Returns what
+// recv would, or -2 (errno EPROTO) when descriptors were cut off.
+ssize_t recv_with_fds(int fd, uint8_t* out, size_t n, std::vector<int>* fds) {
+  iovec iov{out, n};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRecv)];
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = control;
+  m.msg_controllen = sizeof control;
+  const ssize_t r = ::recvmsg(fd, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (r < 0) return r;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int received;
+      std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds->push_back(received);
+    }
+  }
+  if ((m.msg_flags & MSG_CTRUNC) != 0) {
+    errno = EPROTO;
+    return -2;
+  }
+  return r;
+}
+
+// Receives exactly `n` bytes on a non-blocking socket before `deadline`,
+// collecting descriptors that ride along (a HELLO_ACK's staging area).
+Status recv_exact_fds(int fd, uint8_t* out, size_t n, Clock::time_point deadline,
+                      std::vector<int>* fds) {
   size_t done = 0;
   while (done < n) {
-    const ssize_t r = ::recv(fd, out + done, n - done, MSG_DONTWAIT);
+    const ssize_t r = recv_with_fds(fd, out + done, n - done, fds);
     if (r > 0) {
       done += static_cast<size_t>(r);
       continue;
     }
     if (r == 0) return err::PeerDisconnected("the peer closed the connection");
+    if (r == -2) return err::ProtocolError("the peer sent more descriptors than expected");
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       if (Status s = wait_ready(fd, POLLIN, deadline, "receive"); !s.ok()) return s;
@@ -123,10 +178,32 @@ Status recv_exact(int fd, uint8_t* out, size_t n, Clock::time_point deadline) {
   return Status::Ok();
 }
 
+// Sends `frame` with descriptor `pass` attached to its first byte
+// (SCM_RIGHTS); `pass` < 0 sends it plain. Whole or an error: handshake
+// frames are small and go first on their socket.
+ssize_t send_frame_fd(int fd, const Bytes& frame, int pass) {
+  iovec iov{const_cast<uint8_t*>(frame.data()), frame.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  if (pass >= 0) {
+    m.msg_control = control;
+    m.msg_controllen = sizeof control;
+    cmsghdr* c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &pass, sizeof(int));
+  }
+  return ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
 // A handshake frame on a fresh socket: its buffer is empty, so the frame fits
-// at once; the I/O thread never waits for a peer.
-Status send_now(int fd, const Bytes& frame) {
-  const ssize_t n = ::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+// at once; the I/O thread never waits for a peer. `pass` >= 0: a descriptor
+// rides along.
+Status send_now(int fd, const Bytes& frame, int pass = -1) {
+  const ssize_t n = send_frame_fd(fd, frame, pass);
   if (n == static_cast<ssize_t>(frame.size())) return Status::Ok();
   if (n < 0) return err::PeerDisconnected(fmt::format("send failed: {}", errno_text(errno)));
   return err::Internal(
@@ -200,6 +277,7 @@ void cut_requests(const std::vector<Segment>& segments, uint32_t max_segments, u
 Connection::~Connection() {
   if (fd >= 0) ::close(fd);
   if (pidfd >= 0) ::close(pidfd);
+  for (int received : rx_fds) ::close(received);
 }
 
 // ------------------------------------------------------------- lifecycle ---
@@ -235,6 +313,18 @@ Status ShmTransport::read_options() {
   opt_.cancel_timeout = std::chrono::milliseconds(o.get_uint("shm.cancel_timeout_ms"));
   opt_.inline_bytes = o.get_uint("shm.inline_bytes");
   opt_.send_timeout = std::chrono::milliseconds(o.get_uint("shm.send_timeout_ms"));
+  const std::string& mode = o.get_string("shm.mode");
+  if (mode == "auto") {
+    opt_.mode = Mode::kAuto;
+  } else if (mode == "cma") {
+    opt_.mode = Mode::kCma;
+  } else if (mode == "staging") {
+    opt_.mode = Mode::kStaging;
+  } else {
+    return err::InvalidArgument(
+        fmt::format("option shm.mode: '{}' is none of auto, cma, staging", mode));
+  }
+  opt_.staging_bytes = o.get_uint("shm.staging_bytes");
   return Status::Ok();
 }
 
@@ -245,7 +335,11 @@ Status ShmTransport::start(const TransportContext& context) {
   static std::atomic<int> engines_started{0};
   thread_prefix_ = fmt::format("ferry{}", engines_started.fetch_add(1));
 
-  if (Status s = check_self(); !s.ok()) return s;
+  if (Status s = check_self(); !s.ok()) {
+    if (opt_.mode == Mode::kCma) return s;
+    // Probes will fail too; every connection uses shared memory and says why.
+    spdlog::info("ferry shm: {}; connections use shared-memory staging", s.message());
+  }
   const int scope = yama_ptrace_scope();
   if (scope == 1 && opt_.allow_ptrace) {
     if (Status s = allow_any_ptracer(); s.ok()) {
@@ -264,7 +358,8 @@ Status ShmTransport::start(const TransportContext& context) {
   } else if (scope >= 2) {
     spdlog::warn(
         "ferry shm: Yama ptrace_scope is {}: the kernel refuses cross-memory attach between "
-        "ordinary processes, so shm connections will fail their probe",
+        "ordinary processes, so shm connections will fail their probe and use shared-memory "
+        "staging",
         scope);
   }
   if (Status s = open_listener(); !s.ok()) return s;
@@ -289,8 +384,8 @@ Status ShmTransport::start(const TransportContext& context) {
     std::lock_guard lock(mu_);
     started_ = true;
   }
-  spdlog::debug("ferry shm: engine {} listening on {} ({} copy threads)", hex_id(ctx_.engine_id),
-                socket_path_, opt_.copy_threads);
+  spdlog::debug("ferry shm: engine {} listening on {} ({} copy threads, shm.mode={})",
+                hex_id(ctx_.engine_id), socket_path_, opt_.copy_threads, mode_name(opt_.mode));
   return Status::Ok();
 }
 
@@ -392,7 +487,7 @@ std::string ShmTransport::peer_address(PeerId peer) const {
   std::lock_guard lock(mu_);
   auto it = primary_.find(peer);
   if (it == primary_.end() || it->second->dead.load()) return {};
-  return fmt::format("pid {} via {}", it->second->pid, it->second->via);
+  return fmt::format("pid {} via {}, {}", it->second->pid, it->second->via, it->second->mode_text);
 }
 
 std::string ShmTransport::describe(const Connection& c) const {
@@ -478,10 +573,15 @@ Status ShmTransport::handshake_out(Connection& c, const ShmAddress& address, Pee
   hello.expected_engine_id = expected_peer;
   hello.probe_address = reinterpret_cast<uint64_t>(&c.probe_value);
   hello.probe_value = c.probe_value;
+  hello.mode = opt_.mode;
   if (Status s = send_all(c.fd, encode_hello(hello), deadline); !s.ok()) return lost(s);
 
+  // The HELLO_ACK may carry the peer's staging area (SCM_RIGHTS).
+  ReceivedFds fds;
   uint8_t head[kFrameHeaderBytes];
-  if (Status s = recv_exact(c.fd, head, sizeof head, deadline); !s.ok()) return lost(s);
+  if (Status s = recv_exact_fds(c.fd, head, sizeof head, deadline, &fds.fds); !s.ok()) {
+    return lost(s);
+  }
   auto h = decode_header(ByteView(head, sizeof head));
   if (!h.ok()) {
     return err::ProtocolError(
@@ -497,7 +597,9 @@ Status ShmTransport::handshake_out(Connection& c, const ShmAddress& address, Pee
                     where, h->version, kWireVersion));
   }
   Bytes body(h->body_bytes);
-  if (Status s = recv_exact(c.fd, body.data(), body.size(), deadline); !s.ok()) return lost(s);
+  if (Status s = recv_exact_fds(c.fd, body.data(), body.size(), deadline, &fds.fds); !s.ok()) {
+    return lost(s);
+  }
   auto ack = decode_hello_ack(body);
   if (!ack.status().ok()) {
     return err::ProtocolError(fmt::format("shm: {}: {}", where, ack.status().message()));
@@ -507,8 +609,9 @@ Status ShmTransport::handshake_out(Connection& c, const ShmAddress& address, Pee
                   fmt::format("shm: {} refused the connection: {}", where, ack->status.message()));
   }
   auto refuse = [&](const Status& why) {
-    (void)send_all(c.fd, encode_hello_done(why),
-                   std::min(deadline, Clock::now() + kHandshakeCheck));
+    HelloDone no;
+    no.status = why;
+    (void)send_all(c.fd, encode_hello_done(no), std::min(deadline, Clock::now() + kHandshakeCheck));
     return why;
   };
   if (expected_peer != 0 && ack->engine_id != expected_peer) {
@@ -523,12 +626,91 @@ Status ShmTransport::handshake_out(Connection& c, const ShmAddress& address, Pee
   // The pidfd is taken before the probe: a probe that succeeds proves the
   // process behind it is the one the probe read.
   c.pidfd = open_pidfd(c.pid);
-  if (Status s = probe(c.pid, ack->probe_address, ack->probe_value); !s.ok()) return refuse(s);
-  if (Status s = send_all(c.fd, encode_hello_done(Status::Ok()), deadline); !s.ok()) {
-    return lost(s);
+  auto done = choose_mode(c, *ack, fds.fds);
+  if (!done.ok()) {
+    return refuse(
+        Status(done.status().code(), fmt::format("shm: {}: {}", where, done.status().message())));
   }
+  const Bytes frame = encode_hello_done(*done);
+  const ssize_t sent = send_frame_fd(c.fd, frame, c.staged ? c.own.fd() : -1);
+  if (sent != static_cast<ssize_t>(frame.size())) {
+    return lost(err::PeerDisconnected(fmt::format(
+        "sending HELLO_DONE failed: {}",
+        sent < 0 ? errno_text(errno) : fmt::format("{} of {} bytes", sent, frame.size()))));
+  }
+  c.own.close_fd();
   c.state = Connection::State::kOpen;
   return Status::Ok();
+}
+
+namespace {
+// Why a staged connection does not use cross-memory attach, for logs and
+// peer_address().
+std::string staging_text(Mode ours, Mode theirs, const std::string& refusal) {
+  if (ours == Mode::kStaging) return "shared memory (shm.mode=staging on this engine)";
+  if (theirs == Mode::kStaging) return "shared memory (shm.mode=staging on the peer)";
+  std::string_view why = refusal;
+  if (why.starts_with("shm: ")) why.remove_prefix(5);
+  return fmt::format("shared memory (CMA refused: {})", why);
+}
+
+bool modes_conflict(Mode a, Mode b) {
+  return (a == Mode::kCma && b == Mode::kStaging) || (a == Mode::kStaging && b == Mode::kCma);
+}
+
+std::string area_name(uint64_t engine, uint64_t peer) {
+  return fmt::format("ferry-shm-{:016x}-to-{:016x}", engine, peer);
+}
+}  // namespace
+
+Result<HelloDone> ShmTransport::choose_mode(Connection& c, const HelloAck& ack,
+                                            std::vector<int>& fds) {
+  if (modes_conflict(opt_.mode, ack.mode)) {
+    return err::InvalidArgument(
+        fmt::format("shm.mode is {} on this engine and {} on the peer: no common way to move bytes",
+                    mode_name(opt_.mode), mode_name(ack.mode)));
+  }
+  const bool forced_staging = opt_.mode == Mode::kStaging || ack.mode == Mode::kStaging;
+  const bool forced_cma = opt_.mode == Mode::kCma || ack.mode == Mode::kCma;
+  HelloDone done;
+  std::string refusal;  // why cross-memory attach is not used
+  if (!forced_staging) {
+    if (!ack.cma_refusal.empty()) {
+      refusal = fmt::format("the peer's probe of this process: {}", ack.cma_refusal);
+      if (forced_cma) return err::PermissionDenied(refusal);  // the peer should have refused
+    } else if (Status p = probe(c.pid, ack.probe_address, ack.probe_value); !p.ok()) {
+      if (forced_cma) return p;
+      done.cma_refusal = p.message();
+      refusal = p.message();
+    }
+  }
+  if (!forced_staging && refusal.empty()) {
+    for (int fd : fds) ::close(fd);  // the area offered in case we needed it
+    fds.clear();
+    c.mode_text = "cross-memory attach";
+    done.mode = Mode::kCma;
+    return done;
+  }
+  if (ack.staging_bytes == 0 || fds.size() != 1) {
+    return err::ProtocolError(fmt::format(
+        "staging mode is needed ({}), but the peer's HELLO_ACK offered a staging area of {} bytes "
+        "with {} descriptor(s)",
+        forced_staging ? "shm.mode=staging" : refusal, ack.staging_bytes, fds.size()));
+  }
+  const int fd = fds.front();
+  fds.clear();
+  auto theirs = StagingArea::adopt(fd, ack.staging_bytes);
+  if (!theirs.ok()) return theirs.status();
+  auto own = StagingArea::create(opt_.staging_bytes, area_name(ctx_.engine_id, c.peer));
+  if (!own.ok()) return own.status();
+  c.theirs = std::move(theirs.value());
+  c.own = std::move(own.value());
+  c.ring = StagingRing(c.own.size());
+  c.staged = true;
+  c.mode_text = staging_text(opt_.mode, ack.mode, refusal);
+  done.mode = Mode::kStaging;
+  done.staging_bytes = c.own.size();
+  return done;
 }
 
 Status ShmTransport::establish(const std::shared_ptr<Connection>& c) {
@@ -548,8 +730,11 @@ Status ShmTransport::establish(const std::shared_ptr<Connection>& c) {
     if (c->outgoing) watch(c);  // accepted ones are watched since accept
   }
   ctx_.events->on_peer_up(c->peer);
-  spdlog::debug("ferry shm: {} engine {} (pid {}) via {}",
-                c->outgoing ? "connected to" : "accepted", hex_id(c->peer), c->pid, c->via);
+  // The mode is this connection's own choice (each probe, shm.mode on both
+  // sides): say it once, with why shared memory was taken.
+  spdlog::info("ferry shm: {} engine {} (pid {}) via {}: {}",
+               c->outgoing ? "connected to" : "accepted", hex_id(c->peer), c->pid, c->via,
+               c->mode_text);
   return Status::Ok();
 }
 
@@ -664,7 +849,17 @@ void ShmTransport::on_readable(Connection& c) {
   for (int round = 0; round < 16; ++round) {
     if (c.rx_len == c.rx.size()) c.rx.resize(c.rx.size() * 2);
     const size_t space = c.rx.size() - c.rx_len;
-    const ssize_t n = ::recv(c.fd, c.rx.data() + c.rx_len, space, MSG_DONTWAIT);
+    // recvmsg: a HELLO_DONE brings the peer's staging area (SCM_RIGHTS).
+    const ssize_t n = recv_with_fds(c.fd, c.rx.data() + c.rx_len, space, &c.rx_fds);
+    if (n == -2 || c.rx_fds.size() > 1 ||
+        (!c.rx_fds.empty() && c.state == Connection::State::kOpen)) {
+      const Status why = err::ProtocolError(
+          fmt::format("{} sent {} file descriptor(s){}; only a HELLO_DONE carries one", describe(c),
+                      c.rx_fds.size(), n == -2 ? " and more that were cut off" : ""));
+      spdlog::warn("ferry shm: closing {}: {}", describe(c), why.message());
+      fail_connection(c, why);
+      return;
+    }
     if (n == 0) {
       fail_connection(c, err::PeerDisconnected("the peer closed it (its process exited?)"));
       return;
@@ -677,7 +872,12 @@ void ShmTransport::on_readable(Connection& c) {
       return;
     }
     c.rx_len += static_cast<size_t>(n);
-    if (Status s = parse_frames(c); !s.ok()) {
+    Status s = parse_frames(c);
+    if (s.ok() && !c.rx_fds.empty() && c.state == Connection::State::kOpen) {
+      s = err::ProtocolError(fmt::format(
+          "{} file descriptor(s) arrived with frames after the handshake", c.rx_fds.size()));
+    }
+    if (!s.ok()) {
       spdlog::warn("ferry shm: closing {}: {}", describe(c), s.message());
       fail_connection(c, s);
       return;
@@ -730,6 +930,12 @@ Status ShmTransport::on_frame(Connection& c, const FrameHeader& h, ByteView body
   if (is_request(h.op)) {
     auto request = decode_request(h, body);
     if (!request.ok()) return request.status();
+    if (request->op != Op::kNotifyReq && request->staged != c.staged) {
+      return err::ProtocolError(fmt::format(
+          "{} {} {} staging area offsets on a connection in {} mode", op_name(request->op),
+          request->id, request->staged ? "names" : "does not name",
+          c.staged ? "staging" : "cross-memory attach"));
+    }
     // Small requests are served here: a hand-off to a copy worker costs a
     // thread wake-up, more than copying a few pages. Large ones go to the
     // workers, which copy in parallel.
@@ -772,25 +978,95 @@ Status ShmTransport::on_hello(Connection& c, const FrameHeader& h, ByteView body
                     socket_path_, hex_id(ctx_.engine_id), hex_id(c.peer), c.pid,
                     hex_id(hello->expected_engine_id))));
   }
-  c.pidfd = open_pidfd(c.pid);
-  if (Status s = probe(c.pid, hello->probe_address, hello->probe_value); !s.ok()) {
-    return refuse(s);
+  if (modes_conflict(opt_.mode, hello->mode)) {
+    return refuse(err::InvalidArgument(fmt::format(
+        "shm.mode is {} on engine {} and {} on engine {} (pid {}): no common way to move bytes",
+        mode_name(opt_.mode), hex_id(ctx_.engine_id), mode_name(hello->mode), hex_id(c.peer),
+        c.pid)));
   }
+  c.peer_mode = hello->mode;
+  const bool forced_staging = opt_.mode == Mode::kStaging || hello->mode == Mode::kStaging;
+  const bool forced_cma = opt_.mode == Mode::kCma || hello->mode == Mode::kCma;
+  c.pidfd = open_pidfd(c.pid);
   HelloAck ack;
+  ack.mode = opt_.mode;
+  if (!forced_staging) {
+    if (Status s = probe(c.pid, hello->probe_address, hello->probe_value); !s.ok()) {
+      if (forced_cma) return refuse(s);
+      // Not a refusal: the connection will run in staging mode; the
+      // connecting engine learns why.
+      c.cma_refusal = s.message();
+      ack.cma_refusal = s.message();
+    }
+  }
+  if (!forced_cma) {
+    // Offered whenever staging may be chosen: the connecting engine's own
+    // probe, which decides too, comes after this answer.
+    auto own = StagingArea::create(opt_.staging_bytes, area_name(ctx_.engine_id, c.peer));
+    if (own.ok()) {
+      c.own = std::move(own.value());
+      ack.staging_bytes = c.own.size();
+    } else if (forced_staging || !c.cma_refusal.empty()) {
+      return refuse(own.status());
+    } else {
+      spdlog::warn("ferry shm: no staging area for {}: {}; only cross-memory attach can serve it",
+                   describe(c), own.status().message());
+    }
+  }
   ack.engine_id = ctx_.engine_id;
   ack.probe_address = reinterpret_cast<uint64_t>(&c.probe_value);
   ack.probe_value = c.probe_value;
-  if (Status s = send_now(c.fd, encode_hello_ack(ack)); !s.ok()) return s;
+  if (Status s = send_now(c.fd, encode_hello_ack(ack), c.own.fd()); !s.ok()) return s;
   c.state = Connection::State::kAwaitHelloDone;
   return Status::Ok();
 }
 
 Status ShmTransport::on_hello_done(Connection& c, ByteView body) {
-  Status done;
-  if (Status s = decode_hello_done(body, &done); !s.ok()) return s;
-  if (!done.ok()) {
-    return Status(done.code(), fmt::format("engine {} (pid {}) cannot use this connection: {}",
-                                           hex_id(c.peer), c.pid, done.message()));
+  auto done = decode_hello_done(body);
+  if (!done.ok()) return done.status();
+  if (!done->status.ok()) {
+    return Status(done->status.code(),
+                  fmt::format("engine {} (pid {}) cannot use this connection: {}", hex_id(c.peer),
+                              c.pid, done->status.message()));
+  }
+  const std::string who = fmt::format("engine {} (pid {})", hex_id(c.peer), c.pid);
+  if (done->mode == Mode::kStaging) {
+    if (opt_.mode == Mode::kCma || !c.own.valid()) {
+      return err::ProtocolError(fmt::format(
+          "{} chose staging mode, but this engine {}", who,
+          opt_.mode == Mode::kCma ? "runs with shm.mode=cma" : "offered no staging area"));
+    }
+    if (c.rx_fds.size() != 1) {
+      return err::ProtocolError(fmt::format(
+          "{} chose staging mode with {} descriptor(s) on its HELLO_DONE, expected its area", who,
+          c.rx_fds.size()));
+    }
+    const int fd = c.rx_fds.front();
+    c.rx_fds.clear();
+    auto theirs = StagingArea::adopt(fd, done->staging_bytes);
+    if (!theirs.ok()) {
+      return Status(theirs.status().code(), fmt::format("{}: {}", who, theirs.status().message()));
+    }
+    c.theirs = std::move(theirs.value());
+    c.own.close_fd();
+    c.ring = StagingRing(c.own.size());
+    c.staged = true;
+    const std::string refusal =
+        !c.cma_refusal.empty() || done->cma_refusal.empty()
+            ? c.cma_refusal
+            : fmt::format("the peer's probe of this process: {}", done->cma_refusal);
+    c.mode_text = staging_text(opt_.mode, c.peer_mode, refusal);
+  } else {
+    if (opt_.mode == Mode::kStaging || !c.cma_refusal.empty() || !c.rx_fds.empty()) {
+      return err::ProtocolError(
+          fmt::format("{} chose cross-memory attach, but {}", who,
+                      opt_.mode == Mode::kStaging ? "this engine runs with shm.mode=staging"
+                      : !c.cma_refusal.empty()
+                          ? fmt::format("this engine's probe of it failed: {}", c.cma_refusal)
+                          : std::string("its HELLO_DONE carries a descriptor")));
+    }
+    c.own.reset();
+    c.mode_text = "cross-memory attach";
   }
   c.state = Connection::State::kOpen;
   return establish(c.shared_from_this());
@@ -799,7 +1075,7 @@ Status ShmTransport::on_hello_done(Connection& c, ByteView body) {
 Status ShmTransport::on_response(Connection& c, ByteView body) {
   auto response = decode_response(body);
   if (!response.ok()) return response.status();
-  std::shared_ptr<Transfer> t;
+  Pending p;
   {
     std::lock_guard lock(c.mu);
     auto it = c.pending.find(response->id);
@@ -807,21 +1083,65 @@ Status ShmTransport::on_response(Connection& c, ByteView body) {
       return err::ProtocolError(
           fmt::format("RESPONSE for request {}, which is not in flight", response->id));
     }
-    t = std::move(it->second);
+    p = std::move(it->second);
     c.pending.erase(it);
+    const std::shared_ptr<Transfer>& t = p.transfer;
     auto f = c.in_flight.find(t.get());
     if (f != c.in_flight.end() && --f->second == 0) {
       c.in_flight.erase(f);
       c.idle_cv.notify_all();  // cancel() may wait for this transfer
     }
   }
+  const std::shared_ptr<Transfer>& t = p.transfer;
   if (!response->status.ok()) {
     // The target's message names the region and offset; add who said it.
     t->note_error(Status(response->status.code(),
                          fmt::format("{} (from {})", response->status.message(), describe(c))));
+  } else if (!p.copy_out.empty()) {
+    copy_out(*t, c, p.copy_out);
   }
+  // Answered (and a read's bytes taken): the target is done with the range.
+  if (p.range != kNoRange) release_range(c, p.range);
   if (t->outstanding.fetch_sub(1) == 1) finish(c.shared_from_this(), t);
   return Status::Ok();
+}
+
+void ShmTransport::copy_out(Transfer& t, const Connection& c, std::span<const CopyPiece> pieces) {
+  // Under io_mu: cancel() (which sets `cancelled` under it first) returns
+  // only after a copy that started, and none starts after it.
+  std::lock_guard io(t.io_mu);
+  if (t.cancelled) return;
+  for (const CopyPiece& piece : pieces) {
+    std::memcpy(piece.local, c.own.data() + piece.remote, piece.length);
+  }
+}
+
+Result<uint64_t> ShmTransport::reserve_range(Connection& c, uint64_t bytes) {
+  const auto deadline = Clock::now() + opt_.send_timeout;
+  std::unique_lock lock(c.staging_mu);
+  for (;;) {
+    if (c.dead.load()) {
+      return err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(c)));
+    }
+    if (auto at = c.ring.allocate(bytes)) return *at;
+    if (c.staging_cv.wait_until(lock, deadline) == std::cv_status::timeout &&
+        Clock::now() >= deadline) {
+      if (c.dead.load()) continue;
+      if (auto at = c.ring.allocate(bytes)) return *at;
+      return err::Timeout(fmt::format(
+          "shm: {} answered none of the {} request(s) holding our {}-byte staging area for {} ms "
+          "(shm.send_timeout_ms)",
+          describe(c), c.ring.ranges(), c.own.size(), opt_.send_timeout.count()));
+    }
+  }
+}
+
+void ShmTransport::release_range(Connection& c, uint64_t offset) {
+  {
+    std::lock_guard lock(c.staging_mu);
+    c.ring.release(offset);
+  }
+  c.staging_cv.notify_all();
 }
 
 // ------------------------------------------------------ target: copy work ---
@@ -863,6 +1183,15 @@ Status ShmTransport::validate(const Connection& c, const Request& request,
   pieces->reserve(request.segments.size());
   for (size_t i = 0; i < request.segments.size(); ++i) {
     const WireSegment& seg = request.segments[i];
+    // The peer names ranges of its own area; we trust none of them beyond
+    // our mapping of it.
+    if (request.staged && !c.theirs.contains(seg.address, seg.remote.length)) {
+      return err::ProtocolError(fmt::format(
+          "shm: {} {} of {}, segment {}: staging range at offset {} of {} bytes lies outside the "
+          "peer's {}-byte staging area; nothing was copied",
+          op_name(request.op), request.id, describe(c), i, seg.address, seg.remote.length,
+          c.theirs.size()));
+    }
     RegionPin pin;
     auto local = ctx_.registry->check_remote(seg.remote, wanted, &pin);
     if (!local.ok()) {
@@ -937,7 +1266,19 @@ std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
       }
     }
   }
-  if (verdict.ok() && !pieces.empty()) {
+  if (verdict.ok() && !pieces.empty() && request.staged) {
+    // Between the region and the peer's area, both mapped here: nothing can
+    // fail half-way (the area is sealed against shrinking, every range was
+    // checked against its size).
+    uint8_t* area = c.theirs.data();
+    for (const CopyPiece& p : pieces) {
+      if (request.op == Op::kWriteReq) {
+        std::memcpy(p.local, area + p.remote, p.length);
+      } else {
+        std::memcpy(area + p.remote, p.local, p.length);
+      }
+    }
+  } else if (verdict.ok() && !pieces.empty()) {
     if (process_exited(c.pidfd)) return std::nullopt;  // its EOF follows; the pid may be reused
     size_t failed = 0;
     uint64_t moved = 0;
@@ -1048,7 +1389,13 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
                                             t->notification.size(), kMaxNotificationBytes));
   }
   const uint32_t max_segments = opt_.max_request_segments;
-  const uint64_t max_bytes = opt_.max_request_bytes;
+  const bool staged = (*conn)->staged;
+  uint64_t max_bytes = opt_.max_request_bytes;
+  if (staged) {
+    // At least four requests in flight fit the area: the copy into it, the
+    // target's copies and the copy out of it overlap.
+    max_bytes = std::min(max_bytes, std::max(kStagingAlign, (*conn)->own.size() / 4));
+  }
   uint64_t requests = 0;
   cut_requests(
       segments, max_segments, max_bytes, [](size_t, uint64_t, uint64_t) {}, [&] { ++requests; });
@@ -1064,6 +1411,10 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
 
   std::vector<WireSegment> current;
   current.reserve(std::min<size_t>(max_segments, segments.size()));
+  // Staging: each piece's place in the request's range, and the copies
+  // into (write) or out of (read) our area.
+  uint64_t staged_bytes = 0;
+  std::vector<CopyPiece> copies;
   Status result;
   bool stop = false;
   cut_requests(
@@ -1075,14 +1426,40 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
         w.remote = s.remote;
         w.remote.offset += offset;
         w.remote.length = length;
-        w.address = reinterpret_cast<uint64_t>(s.local) + offset;
+        if (staged) {
+          w.address = staged_bytes;  // made absolute once the range is reserved
+          copies.push_back({s.local + offset, staged_bytes, length});
+          staged_bytes += length;
+        } else {
+          w.address = reinterpret_cast<uint64_t>(s.local) + offset;
+        }
         current.push_back(w);
       },
       [&] {
         if (stop) return;
         const uint64_t id = next_request_id_.fetch_add(1);
-        Status s = send_request(*conn, t, id, encode_request(op, id, current, embed, note));
+        Pending entry;
+        if (staged) {
+          auto range = reserve_range(**conn, staged_bytes);
+          if (!range.ok()) {
+            stop = true;
+            result = range.status();
+            if (range.status().code() == StatusCode::kTimeout) fail_connection(**conn, result);
+            return;
+          }
+          for (WireSegment& w : current) w.address += *range;
+          for (CopyPiece& p : copies) p.remote += *range;
+          entry.range = *range;
+          if (op == Op::kReadReq) entry.copy_out = copies;
+        }
+        const std::span<const CopyPiece> copy_in = staged && op == Op::kWriteReq
+                                                       ? std::span<const CopyPiece>(copies)
+                                                       : std::span<const CopyPiece>();
+        Status s = send_request(*conn, t, id, encode_request(op, id, current, embed, note, staged),
+                                std::move(entry), copy_in);
         current.clear();
+        copies.clear();
+        staged_bytes = 0;
         if (!s.ok()) {
           stop = true;
           // Cancelled: the transfer was cancelled or failed meanwhile; whoever
@@ -1110,18 +1487,36 @@ Status ShmTransport::post_notification(PeerId peer, const std::shared_ptr<Transf
 
 Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
                                   const std::shared_ptr<Transfer>& t, uint64_t id,
-                                  const Bytes& frame) {
+                                  const Bytes& frame, Pending entry,
+                                  std::span<const CopyPiece> copy_in) {
+  const uint64_t range = entry.range;
+  Status refused;
   {
     // Under io_mu: cancel() either sees this request in in_flight and waits
     // for its answer, or we see `cancelled` and send nothing.
     std::lock_guard io(t->io_mu);
-    if (t->cancelled) return err::Cancelled("");
-    std::lock_guard lock(c->mu);
-    if (c->dead.load()) {
-      return err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(*c)));
+    if (t->cancelled) {
+      refused = err::Cancelled("");
+    } else {
+      // A staged write's bytes go into our area before the peer can see
+      // the request; cancel() waits for this copy out of local memory.
+      for (const CopyPiece& p : copy_in) {
+        std::memcpy(c->own.data() + p.remote, p.local, p.length);
+      }
+      std::lock_guard lock(c->mu);
+      if (c->dead.load()) {
+        refused =
+            err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(*c)));
+      } else {
+        entry.transfer = t;
+        c->pending.emplace(id, std::move(entry));
+        ++c->in_flight[t.get()];
+      }
     }
-    c->pending.emplace(id, t);
-    ++c->in_flight[t.get()];
+  }
+  if (!refused.ok()) {
+    if (range != kNoRange) release_range(*c, range);
+    return refused;
   }
   Status s = send_frame(*c, frame);
   if (!s.ok()) fail_connection(*c, s);  // fails `t` with the others in flight
@@ -1177,8 +1572,8 @@ void ShmTransport::cancel(Transfer& t) {
     std::vector<uint64_t> ids;
     {
       std::lock_guard lock(c->mu);
-      for (const auto& [id, transfer] : c->pending) {
-        if (transfer.get() == &t) ids.push_back(id);
+      for (const auto& [id, p] : c->pending) {
+        if (p.transfer.get() == &t) ids.push_back(id);
       }
     }
     for (size_t at = 0; at < ids.size(); at += kMaxCancelIds) {
@@ -1229,7 +1624,7 @@ void ShmTransport::fail_transfer(Transfer& t, const Status& status) {
 }
 
 void ShmTransport::fail_connection(Connection& c, const Status& reason, bool verbatim) {
-  std::unordered_map<uint64_t, std::shared_ptr<Transfer>> pending;
+  std::unordered_map<uint64_t, Pending> pending;
   bool established;
   {
     std::lock_guard lock(c.mu);
@@ -1240,6 +1635,12 @@ void ShmTransport::fail_connection(Connection& c, const Status& reason, bool ver
     established = c.established;
   }
   c.idle_cv.notify_all();
+  {
+    // Initiators waiting for staging space see `dead` now (the lock orders
+    // their check before this wake-up).
+    std::lock_guard lock(c.staging_mu);
+  }
+  c.staging_cv.notify_all();
   // Wakes the I/O thread (EPOLLHUP) to drop it and any sender blocked on it;
   // the descriptor itself closes with the last reference.
   ::shutdown(c.fd, SHUT_RDWR);
@@ -1278,7 +1679,8 @@ void ShmTransport::fail_connection(Connection& c, const Status& reason, bool ver
     }
     if (report) ctx_.events->on_peer_down(c.peer, status);
   }
-  for (auto& [id, t] : pending) {
+  for (auto& [id, p] : pending) {
+    const std::shared_ptr<Transfer>& t = p.transfer;
     // A transfer the caller cancelled is completed by the engine (Cancelled);
     // one failed earlier is complete already.
     bool cancelled;

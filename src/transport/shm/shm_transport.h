@@ -1,5 +1,6 @@
 // The shm transport: host memory between two processes of one host, in a
-// single copy by cross-memory attach (process_vm_readv / process_vm_writev).
+// single copy by cross-memory attach (process_vm_readv / process_vm_writev)
+// where the kernel allows it, else through shared memory (staging.h).
 //
 // Target-driven: the process that owns the registered region does every
 // copy. A WRITE_REQ names the initiator's addresses and the remote access
@@ -15,9 +16,14 @@
 // Control channel: one Unix stream socket per connection, listener at
 // <shm.socket_dir>/ferry-<engine id>-<pid>.sock (a pathname socket, so it
 // works across network namespaces that share the filesystem). The peer's pid
-// is SO_PEERCRED's, never one the peer claims. The handshake proves, in both
-// directions, that cross-memory attach works with a real read of a random
-// value from the peer (shm_wire.h has the messages).
+// is SO_PEERCRED's, never one the peer claims. The handshake tries, in both
+// directions, a real read of a random value from the peer with cross-memory
+// attach (shm_wire.h has the messages). If either read is refused (ptrace
+// policy, another user, another user namespace) the connection runs in
+// staging mode: the bytes pass through two sealed memfds the handshake
+// exchanged (SCM_RIGHTS), copied in by one side and out by the other, with
+// the same checks on the target. shm.mode forces either mode; the choice is
+// logged per connection and shown by peer_address().
 //
 // Threads: one epoll I/O thread reads every connection (it never blocks on a
 // send, so both ends always drain their sockets and blocking sends cannot
@@ -42,6 +48,7 @@
 
 #include "transport/shm/cma.h"
 #include "transport/shm/shm_wire.h"
+#include "transport/shm/staging.h"
 #include "transport/transport.h"
 
 namespace ferry::shm {
@@ -59,6 +66,20 @@ struct ShmOptions {
   std::chrono::milliseconds cancel_timeout{250};
   uint64_t inline_bytes = 256 << 10;
   std::chrono::milliseconds send_timeout{10000};
+  Mode mode = Mode::kAuto;
+  uint64_t staging_bytes = 32 << 20;
+};
+
+constexpr uint64_t kNoRange = ~uint64_t{0};
+
+// A request this side sent and awaits the answer of.
+struct Pending {
+  std::shared_ptr<Transfer> transfer;
+  // Staging mode: the range of our area the request holds until answered
+  // (kNoRange: none), and for a read where its bytes go then (local: the
+  // destination, remote: the offset in our area).
+  uint64_t range = kNoRange;
+  std::vector<CopyPiece> copy_out;
 };
 
 struct Connection : std::enable_shared_from_this<Connection> {
@@ -76,21 +97,33 @@ struct Connection : std::enable_shared_from_this<Connection> {
   uint64_t probe_value = 0;
   std::atomic<bool> dead{false};  // set once, under mu, by fail_connection
 
+  // How bytes move, fixed by the handshake before the connection is used.
+  bool staged = false;    // staging mode (else cross-memory attach)
+  std::string mode_text;  // for logs and peer_address()
+  StagingArea own;        // staging: the bytes of our requests; we hand out its ranges
+  StagingArea theirs;     // staging: the bytes of the peer's requests (offsets checked)
+  std::mutex staging_mu;
+  std::condition_variable staging_cv;  // a range of `own` came back, or dead
+  StagingRing ring;                    // ranges of `own` in use; under staging_mu
+
   // One frame at a time on the socket (initiators and copy workers).
   std::mutex send_mu;
 
   // Requests this side sent and still expects answers for.
   std::mutex mu;
-  std::condition_variable idle_cv;  // an entry of in_flight dropped to 0, or dead
-  bool established = false;         // under mu; on_peer_up was called
-  std::unordered_map<uint64_t, std::shared_ptr<Transfer>> pending;  // request id →
-  std::unordered_map<const Transfer*, uint32_t> in_flight;          // for cancel()
+  std::condition_variable idle_cv;                // an entry of in_flight dropped to 0, or dead
+  bool established = false;                       // under mu; on_peer_up was called
+  std::unordered_map<uint64_t, Pending> pending;  // request id →
+  std::unordered_map<const Transfer*, uint32_t> in_flight;  // for cancel()
 
   // --- I/O thread only ---
   State state = State::kOpen;
   std::chrono::steady_clock::time_point handshake_deadline{};
   Bytes rx;  // received bytes not yet handled
   size_t rx_len = 0;
+  std::vector<int> rx_fds;       // descriptors received (a HELLO_DONE's staging area)
+  std::string cma_refusal;       // accepted connections: why our probe of the peer failed
+  Mode peer_mode = Mode::kAuto;  // accepted connections: the peer's shm.mode
 };
 
 // Work for a copy worker: serve a request of `conn`'s peer, or (notify_for
@@ -134,6 +167,10 @@ class ShmTransport final : public Transport {
   Status open_listener();
   Status handshake_out(Connection& c, const ShmAddress& address, PeerId expected_peer,
                        std::chrono::steady_clock::time_point deadline);
+  // The connecting side's choice of mode once the HELLO_ACK is in: probes
+  // the peer unless staging is settled already, maps the peer's area and
+  // creates ours for staging. The HELLO_DONE to send, or why to refuse.
+  Result<HelloDone> choose_mode(Connection& c, const HelloAck& ack, std::vector<int>& fds);
   // Makes an open connection usable: maps it by peer, calls on_peer_up.
   Status establish(const std::shared_ptr<Connection>& c);
   void watch(const std::shared_ptr<Connection>& c);
@@ -160,7 +197,9 @@ class ShmTransport final : public Transport {
   std::optional<Status> execute(Connection& c, Request& request);
   void serve_inline(const std::shared_ptr<Connection>& c, Request& request);
   bool try_send_now(Connection& c, const Bytes& frame);
-  // The checks of every segment of `request`; fills pins and copy pieces.
+  // The checks of every segment of `request`; fills pins and copy pieces
+  // (staged: their remote side is an offset in the peer's area, checked
+  // against its size here).
   Status validate(const Connection& c, const Request& request, std::vector<RegionPin>* pins,
                   std::vector<CopyPiece>* pieces) const;
   void send_write_notification(const std::shared_ptr<Connection>& c,
@@ -171,9 +210,19 @@ class ShmTransport final : public Transport {
   Status post(PeerId peer, const std::shared_ptr<Transfer>& t, const std::vector<Segment>& segments,
               Op op);
   // Registers request `id` of `t` as pending and sends it. Cancelled: `t`
-  // was cancelled (or failed) first, nothing was sent.
+  // was cancelled (or failed) first, nothing was sent. Staging: `entry`
+  // holds the request's range of our area (given back if nothing is sent)
+  // and `copy_in` the write's bytes to place there first.
   Status send_request(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t,
-                      uint64_t id, const Bytes& frame);
+                      uint64_t id, const Bytes& frame, Pending entry = {},
+                      std::span<const CopyPiece> copy_in = {});
+  // A range of `bytes` in our staging area, waiting (at most
+  // shm.send_timeout_ms) while requests in flight hold it all.
+  Result<uint64_t> reserve_range(Connection& c, uint64_t bytes);
+  void release_range(Connection& c, uint64_t offset);
+  // A staged read's bytes, from our area to their destinations, unless the
+  // transfer was cancelled or failed.
+  void copy_out(Transfer& t, const Connection& c, std::span<const CopyPiece> pieces);
   // After the last response of `t`: the write's notification, or completion.
   void finish(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t);
 

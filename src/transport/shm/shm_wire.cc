@@ -79,6 +79,27 @@ const char* op_name(Op op) {
   return "UNKNOWN";
 }
 
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::kAuto:
+      return "auto";
+    case Mode::kCma:
+      return "cma";
+    case Mode::kStaging:
+      return "staging";
+  }
+  return "unknown";
+}
+
+namespace {
+Result<Mode> take_mode(uint8_t value, const char* what) {
+  if (value > static_cast<uint8_t>(Mode::kStaging)) {
+    return err::ProtocolError(fmt::format("{} with unknown mode {}", what, value));
+  }
+  return static_cast<Mode>(value);
+}
+}  // namespace
+
 uint64_t max_body_bytes(Op op) {
   switch (op) {
     case Op::kHello:
@@ -124,7 +145,9 @@ Result<FrameHeader> decode_header(ByteView bytes) {
     return err::ProtocolError(fmt::format("{} frame of wire version {}, this engine speaks {}",
                                           op_name(h.op), h.version, kWireVersion));
   }
-  const uint8_t allowed_flags = h.op == Op::kWriteReq ? kFlagNotification : 0;
+  const uint8_t allowed_flags = h.op == Op::kWriteReq  ? kFlagNotification | kFlagStaged
+                                : h.op == Op::kReadReq ? kFlagStaged
+                                                       : 0;
   if ((h.flags & ~allowed_flags) != 0 || reserved != 0) {
     return err::ProtocolError(fmt::format("{} frame with flags {:#04x} / reserved {:#010x} set",
                                           op_name(h.op), h.flags, reserved));
@@ -139,7 +162,7 @@ Result<FrameHeader> decode_header(ByteView bytes) {
 // ---------------------------------------------------------------- requests ---
 
 Bytes encode_request(Op op, uint64_t id, std::span<const WireSegment> segments,
-                     bool has_notification, ByteView notification) {
+                     bool has_notification, ByteView notification, bool staged) {
   Bytes body;
   body.reserve(kRequestFixedBytes + segments.size() * kSegmentBytes + notification.size());
   ByteWriter w(body);
@@ -158,7 +181,9 @@ Bytes encode_request(Op op, uint64_t id, std::span<const WireSegment> segments,
     for (int i = 0; i < 7; ++i) w.u8(0);
   }
   w.bytes(notification.data(), notification.size());
-  return frame(op, body, op == Op::kWriteReq && has_notification ? kFlagNotification : 0);
+  uint8_t flags = op == Op::kWriteReq && has_notification ? kFlagNotification : 0;
+  if (staged && op != Op::kNotifyReq) flags |= kFlagStaged;
+  return frame(op, body, flags);
 }
 
 Result<Request> decode_request(const FrameHeader& header, ByteView body) {
@@ -168,6 +193,7 @@ Result<Request> decode_request(const FrameHeader& header, ByteView body) {
   ByteReader r(body);
   Request req;
   req.op = op;
+  req.staged = (header.flags & kFlagStaged) != 0;
   req.id = r.u64();
   const uint32_t count = r.u32();
   const uint32_t note_bytes = r.u32();
@@ -213,8 +239,9 @@ Result<Request> decode_request(const FrameHeader& header, ByteView body) {
     }
     // Zero-length or wrapping ranges are impossible for an initiator that
     // checked its own iovs; refuse them before anyone computes with them.
-    if (s.remote.length == 0 || s.address == 0 || s.address + s.remote.length < s.address ||
-        total + s.remote.length < total) {
+    // (A staged request's offset 0 is the start of the area.)
+    if (s.remote.length == 0 || (s.address == 0 && !req.staged) ||
+        s.address + s.remote.length < s.address || total + s.remote.length < total) {
       return err::ProtocolError(
           fmt::format("{} {} segment {}: impossible range address {:#x} length {}", name, req.id, i,
                       s.address, s.remote.length));
@@ -277,6 +304,57 @@ Result<std::vector<uint64_t>> decode_cancel(ByteView body) {
 
 // --------------------------------------------------------------- handshake ---
 
+namespace {
+// The message of a handshake frame: the error when status is not Ok, else the
+// probe refusal (kHandshakeCmaRefused), else empty.
+const std::string& handshake_message(const Status& status, const std::string& refusal) {
+  return status.ok() ? refusal : status.message();
+}
+
+void put_handshake_head(ByteWriter& w, const Status& status, Mode mode, uint8_t flags,
+                        const std::string& message) {
+  w.u16(static_cast<uint16_t>(status.code()));
+  w.u8(static_cast<uint8_t>(mode));
+  w.u8(flags);
+  w.u32(static_cast<uint32_t>(std::string_view(message).substr(0, kMaxMessageBytes).size()));
+}
+
+uint8_t handshake_flags(const Status& status, const std::string& refusal, uint64_t staging_bytes) {
+  uint8_t flags = 0;
+  if (status.ok() && !refusal.empty()) flags |= kHandshakeCmaRefused;
+  if (status.ok() && staging_bytes > 0) flags |= kHandshakeArea;
+  return flags;
+}
+
+// Reads the message into `status` (not Ok) or `refusal` (Ok with
+// kHandshakeCmaRefused), and checks the flags against the status.
+Status take_handshake_message(ByteReader& r, uint16_t code, uint8_t flags, uint32_t length,
+                              uint64_t staging_bytes, const char* what, Status* status,
+                              std::string* refusal) {
+  if ((flags & ~(kHandshakeCmaRefused | kHandshakeArea)) != 0) {
+    return err::ProtocolError(fmt::format("{} with unknown flags {:#04x}", what, flags));
+  }
+  if (Status s = take_status(r, code, length, what, status); !s.ok()) return s;
+  if (!status->ok() && flags != 0) {
+    return err::ProtocolError(fmt::format("{}: a refusal with flags {:#04x}", what, flags));
+  }
+  if (((flags & kHandshakeArea) != 0) != (staging_bytes > 0)) {
+    return err::ProtocolError(fmt::format("{}: staging area flag {} with a size of {} bytes", what,
+                                          (flags & kHandshakeArea) != 0, staging_bytes));
+  }
+  if (status->ok()) {
+    const bool refused = (flags & kHandshakeCmaRefused) != 0;
+    if (refused == status->message().empty()) {
+      return err::ProtocolError(fmt::format("{}: probe refusal flag {} with a message of {} bytes",
+                                            what, refused, length));
+    }
+    *refusal = status->message();
+    *status = Status::Ok();
+  }
+  return Status::Ok();
+}
+}  // namespace
+
 Bytes encode_hello(const Hello& hello) {
   Bytes body;
   ByteWriter w(body);
@@ -284,7 +362,9 @@ Bytes encode_hello(const Hello& hello) {
   w.u64(hello.expected_engine_id);
   w.u64(hello.probe_address);
   w.u32(hello.probe_length);
-  w.u32(0);
+  w.u8(static_cast<uint8_t>(hello.mode));
+  w.u8(0);
+  w.u16(0);
   w.u64(hello.probe_value);
   return frame(Op::kHello, body);
 }
@@ -300,26 +380,36 @@ Result<Hello> decode_hello(ByteView body) {
   h.expected_engine_id = r.u64();
   h.probe_address = r.u64();
   h.probe_length = r.u32();
-  (void)r.u32();
+  const uint8_t mode = r.u8();
+  const uint8_t reserved8 = r.u8();
+  const uint16_t reserved16 = r.u16();
   h.probe_value = r.u64();
-  if (h.engine_id == 0 || h.probe_address == 0 || h.probe_length != kProbeBytes) {
+  if (h.engine_id == 0 || h.probe_address == 0 || h.probe_length != kProbeBytes || reserved8 != 0 ||
+      reserved16 != 0) {
     return err::ProtocolError(
         fmt::format("malformed HELLO: engine {:016x}, probe {:#x} of {} bytes", h.engine_id,
                     h.probe_address, h.probe_length));
   }
+  auto m = take_mode(mode, "HELLO");
+  if (!m.ok()) return m.status();
+  h.mode = *m;
   return h;
 }
 
 Bytes encode_hello_ack(const HelloAck& ack) {
   Bytes body;
   ByteWriter w(body);
-  put_status_head(w, ack.status);
+  const std::string& message = handshake_message(ack.status, ack.cma_refusal);
+  put_handshake_head(w, ack.status, ack.mode,
+                     handshake_flags(ack.status, ack.cma_refusal, ack.staging_bytes), message);
   w.u64(ack.engine_id);
   w.u64(ack.probe_address);
   w.u32(ack.probe_length);
   w.u32(0);
   w.u64(ack.probe_value);
-  put_message(w, ack.status);
+  w.u64(ack.status.ok() ? ack.staging_bytes : 0);
+  const std::string_view m = std::string_view(message).substr(0, kMaxMessageBytes);
+  w.bytes(m.data(), m.size());
   return frame(Op::kHelloAck, body);
 }
 
@@ -327,16 +417,25 @@ Result<HelloAck> decode_hello_ack(ByteView body) {
   ByteReader r(body);
   HelloAck a;
   const uint16_t code = r.u16();
-  (void)r.u16();
+  const uint8_t mode = r.u8();
+  const uint8_t flags = r.u8();
   const uint32_t length = r.u32();
   a.engine_id = r.u64();
   a.probe_address = r.u64();
   a.probe_length = r.u32();
   (void)r.u32();
   a.probe_value = r.u64();
+  a.staging_bytes = r.u64();
   if (!r.ok())
     return err::ProtocolError(fmt::format("truncated HELLO_ACK ({} bytes)", body.size()));
-  if (Status s = take_status(r, code, length, "HELLO_ACK", &a.status); !s.ok()) return s;
+  auto m = take_mode(mode, "HELLO_ACK");
+  if (!m.ok()) return m.status();
+  a.mode = *m;
+  if (Status s = take_handshake_message(r, code, flags, length, a.staging_bytes, "HELLO_ACK",
+                                        &a.status, &a.cma_refusal);
+      !s.ok()) {
+    return s;
+  }
   if (a.status.ok() &&
       (a.engine_id == 0 || a.probe_address == 0 || a.probe_length != kProbeBytes)) {
     return err::ProtocolError(
@@ -346,23 +445,46 @@ Result<HelloAck> decode_hello_ack(ByteView body) {
   return a;
 }
 
-Bytes encode_hello_done(const Status& status) {
+Bytes encode_hello_done(const HelloDone& done) {
   Bytes body;
   ByteWriter w(body);
-  put_status_head(w, status);
-  put_message(w, status);
+  const std::string& message = handshake_message(done.status, done.cma_refusal);
+  put_handshake_head(w, done.status, done.status.ok() ? done.mode : Mode::kAuto,
+                     handshake_flags(done.status, done.cma_refusal, done.staging_bytes), message);
+  w.u64(done.status.ok() ? done.staging_bytes : 0);
+  const std::string_view m = std::string_view(message).substr(0, kMaxMessageBytes);
+  w.bytes(m.data(), m.size());
   return frame(Op::kHelloDone, body);
 }
 
-Status decode_hello_done(ByteView body, Status* carried) {
+Result<HelloDone> decode_hello_done(ByteView body) {
   ByteReader r(body);
+  HelloDone d;
   const uint16_t code = r.u16();
-  (void)r.u16();
+  const uint8_t mode = r.u8();
+  const uint8_t flags = r.u8();
   const uint32_t length = r.u32();
+  d.staging_bytes = r.u64();
   if (!r.ok()) {
     return err::ProtocolError(fmt::format("truncated HELLO_DONE ({} bytes)", body.size()));
   }
-  return take_status(r, code, length, "HELLO_DONE", carried);
+  auto m = take_mode(mode, "HELLO_DONE");
+  if (!m.ok()) return m.status();
+  d.mode = *m;
+  if (Status s = take_handshake_message(r, code, flags, length, d.staging_bytes, "HELLO_DONE",
+                                        &d.status, &d.cma_refusal);
+      !s.ok()) {
+    return s;
+  }
+  if (d.status.ok() && d.mode == Mode::kAuto) {
+    return err::ProtocolError("HELLO_DONE accepts the connection but names no mode");
+  }
+  if (d.status.ok() && (d.mode == Mode::kStaging) != (d.staging_bytes > 0)) {
+    return err::ProtocolError(
+        fmt::format("HELLO_DONE chooses {} mode with a staging area of {} bytes", mode_name(d.mode),
+                    d.staging_bytes));
+  }
+  return d;
 }
 
 // ----------------------------------------------------------------- address ---

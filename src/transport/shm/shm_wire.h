@@ -1,23 +1,34 @@
 // The shm transport's wire format: control messages on a Unix stream socket.
-// Data never travels on it: the target process copies the bytes itself with
-// process_vm_readv/writev (cma.h), so a frame only names addresses.
+// Data never travels on it. In cross-memory attach mode the target process
+// copies the bytes itself with process_vm_readv/writev (cma.h), so a frame
+// names the initiator's addresses; in staging mode (staging.h) a frame names
+// offsets in the initiator's shared-memory staging area instead.
 //
 // Every frame is a 16-byte header followed by `body_bytes` of body:
 //
 //   header  u32 magic "FSHM" | u16 version | u8 op | u8 flags | u32 body_bytes | u32 reserved (0)
 //           flags: kFlagNotification on a WRITE_REQ that carries its write's notification
-//           (delivered after the copy); 0 otherwise
+//           (delivered after the copy); kFlagStaged on a WRITE_REQ or READ_REQ whose segment
+//           addresses are offsets in the initiator's staging area; 0 otherwise
 //   HELLO       u64 engine id | u64 expected engine id (0: any) | u64 probe address |
-//               u32 probe length (8) | u32 reserved | u64 probe value                    (40 bytes)
-//   HELLO_ACK   u16 status | u16 reserved | u32 message length | u64 engine id |
-//               u64 probe address | u32 probe length | u32 reserved | u64 probe value | message
-//   HELLO_DONE  u16 status | u16 reserved | u32 message length | message
+//               u32 probe length (8) | u8 mode | u8[3] reserved | u64 probe value (40 bytes)
+//   HELLO_ACK   u16 status | u8 mode | u8 flags | u32 message length | u64 engine id |
+//               u64 probe address | u32 probe length | u32 reserved | u64 probe value |
+//               u64 staging bytes | message                                 (48 bytes + message)
+//   HELLO_DONE  u16 status | u8 chosen mode | u8 flags | u32 message length |
+//               u64 staging bytes | message                                 (16 bytes + message)
+//     mode      0 auto, 1 cma, 2 staging: the sender's shm.mode (HELLO, HELLO_ACK) or the
+//               connection's (HELLO_DONE: 1 or 2)
+//     flags     kHandshakeCmaRefused: status is Ok but the sender's probe of the peer failed;
+//               the message says why (the connection then runs in staging mode)
+//               kHandshakeArea: the sender's staging memfd rides on this frame (SCM_RIGHTS)
+//               and `staging bytes` is its size; 0 without one
 //   WRITE_REQ, READ_REQ, NOTIFY_REQ
 //               u64 request id | u32 segment count | u32 notification length |
 //               segment[count] | notification bytes
 //     segment   u64 region id | u64 advertised offset | u64 advertised length | u64 key |
-//               u64 offset | u64 length | u64 initiator address | u8 access | u8[7] reserved
-//                                                                                (64 bytes each)
+//               u64 offset | u64 length | u64 initiator address (staged: area offset) |
+//               u8 access | u8[7] reserved                                    (64 bytes each)
 //   RESPONSE    u64 request id | u16 status | u16 reserved | u32 message length | message
 //
 // All integers are little endian. A receiver checks every length before it
@@ -41,14 +52,14 @@ static_assert(std::endian::native == std::endian::little,
               "the wire format is little endian; add byte swapping for this host");
 
 constexpr uint32_t kFrameMagic = 0x4D485346;  // "FSHM"
-constexpr uint16_t kWireVersion = 1;
+constexpr uint16_t kWireVersion = 2;          // 2: staging mode
 constexpr size_t kFrameHeaderBytes = 16;
 constexpr size_t kSegmentBytes = 64;
 constexpr size_t kRequestFixedBytes = 16;
 constexpr size_t kResponseFixedBytes = 16;
 constexpr size_t kHelloBytes = 40;
-constexpr size_t kHelloAckFixedBytes = 40;
-constexpr size_t kHelloDoneFixedBytes = 8;
+constexpr size_t kHelloAckFixedBytes = 48;
+constexpr size_t kHelloDoneFixedBytes = 16;
 
 // Hard limits a receiver enforces before trusting a header.
 constexpr uint32_t kMaxRequestSegments = 1024;  // IOV_MAX: one syscall per request
@@ -75,6 +86,18 @@ inline bool is_request(Op op) {
 }
 
 constexpr uint8_t kFlagNotification = 1;
+constexpr uint8_t kFlagStaged = 2;
+
+// How a connection moves bytes: shm.mode's values, and the handshake's.
+enum class Mode : uint8_t {
+  kAuto = 0,     // cross-memory attach if both probes succeed, else staging
+  kCma = 1,      // cross-memory attach only
+  kStaging = 2,  // shared-memory staging only
+};
+const char* mode_name(Mode mode);
+
+constexpr uint8_t kHandshakeCmaRefused = 1;
+constexpr uint8_t kHandshakeArea = 2;
 
 struct FrameHeader {
   uint16_t version = kWireVersion;
@@ -91,7 +114,8 @@ uint64_t max_body_bytes(Op op);
 Result<FrameHeader> decode_header(ByteView bytes);
 
 // One segment of a request: what the target must check, and where the
-// initiator's side of the bytes lies in the initiator's address space.
+// initiator's side of the bytes lies: an address in the initiator's address
+// space, or (staged requests) an offset in its staging area.
 struct WireSegment {
   RemoteAccessRequest remote;
   uint64_t address = 0;
@@ -101,6 +125,7 @@ struct Request {
   Op op = Op::kWriteReq;
   uint64_t id = 0;
   std::vector<WireSegment> segments;
+  bool staged = false;  // kFlagStaged: addresses are staging area offsets
   // NOTIFY_REQ always, WRITE_REQ with kFlagNotification: deliver after the
   // copy (the payload may be empty).
   bool has_notification = false;
@@ -130,35 +155,45 @@ struct Hello {
   uint64_t expected_engine_id = 0;
   uint64_t probe_address = 0;
   uint32_t probe_length = kProbeBytes;
+  Mode mode = Mode::kAuto;
   uint64_t probe_value = 0;
 };
 
 struct HelloAck {
   Status status;
+  Mode mode = Mode::kAuto;
   uint64_t engine_id = 0;
   uint64_t probe_address = 0;
   uint32_t probe_length = kProbeBytes;
   uint64_t probe_value = 0;
+  // Status Ok but the acceptor's probe of the connecting engine failed: why.
+  std::string cma_refusal;
+  uint64_t staging_bytes = 0;  // > 0: the acceptor's staging area rides along
+};
+
+struct HelloDone {
+  Status status;
+  Mode mode = Mode::kCma;      // the connection's: kCma or kStaging (status Ok)
+  std::string cma_refusal;     // the connecting engine's probe failed: why
+  uint64_t staging_bytes = 0;  // > 0: the connecting engine's staging area rides along
 };
 
 // Encoders return whole frames (header + body), ready to send.
 // `has_notification` applies to WRITE_REQ (NOTIFY_REQ always has one,
-// READ_REQ never).
+// READ_REQ never); `staged` to WRITE_REQ and READ_REQ.
 Bytes encode_request(Op op, uint64_t id, std::span<const WireSegment> segments,
-                     bool has_notification, ByteView notification);
+                     bool has_notification, ByteView notification, bool staged = false);
 Bytes encode_response(uint64_t id, const Status& status);
 Bytes encode_hello(const Hello& hello);
 Bytes encode_hello_ack(const HelloAck& ack);
-Bytes encode_hello_done(const Status& status);
+Bytes encode_hello_done(const HelloDone& done);
 
 // Decoders take the body of a frame whose header decode_header accepted.
 Result<Request> decode_request(const FrameHeader& header, ByteView body);
 Result<Response> decode_response(ByteView body);
 Result<Hello> decode_hello(ByteView body);
 Result<HelloAck> decode_hello_ack(ByteView body);
-// HELLO_DONE carries a status: the decode error is returned, the carried
-// status lands in *carried.
-Status decode_hello_done(ByteView body, Status* carried);
+Result<HelloDone> decode_hello_done(ByteView body);
 
 // The transport's address in engine metadata: where the listener is, and the
 // pid for messages only (the connection's real pid comes from SO_PEERCRED).
