@@ -194,16 +194,17 @@ class Engine::Impl {
     lost_[peer] = reason.message();
   }
 
-  // "host memory over shm, GPU memory over tcp"
+  // "host memory over shm, peer GPU memory over cuda_ipc, local GPU with
+  // peer host memory over tcp"
   std::string describe_routes(PeerId peer) const {
     std::vector<std::string> parts;
-    for (MemoryRoute route : {MemoryRoute::kHostOnly, MemoryRoute::kCuda}) {
+    for (MemoryRoute route : kAllRoutes) {
       auto t = transports_.choose(peer, route);
       parts.push_back(
           fmt::format("{} over {}", memory_route_name(route),
                       t.ok() ? std::string((*t)->name()) : std::string("no transport")));
     }
-    return fmt::format("{}, {}", parts[0], parts[1]);
+    return fmt::format("{}", fmt::join(parts, ", "));
   }
 
   Status check_peer(PeerId peer) {
@@ -231,7 +232,8 @@ class Engine::Impl {
           fmt::format("{}: {} iovs (allowed 1 to {})", op, local.size(), kMaxIovsPerCall));
     }
     out->resize(local.size());
-    *route = MemoryRoute::kHostOnly;
+    bool any_gpu = false;
+    bool all_peer_gpu = true;
     MemoryRegion cached{};
     for (size_t i = 0; i < local.size(); ++i) {
       const LocalIov& l = local[i];
@@ -270,9 +272,8 @@ class Engine::Impl {
         }
         cached = *found;
       }
-      if (cached.kind != MemoryKind::kHost || d->kind != MemoryKind::kHost) {
-        *route = MemoryRoute::kCuda;
-      }
+      any_gpu = any_gpu || cached.kind != MemoryKind::kHost || d->kind != MemoryKind::kHost;
+      all_peer_gpu = all_peer_gpu && d->kind == MemoryKind::kCuda;
       Segment& s = (*out)[i];
       s.local = static_cast<uint8_t*>(l.address);
       s.length = l.length;
@@ -280,6 +281,9 @@ class Engine::Impl {
       s.local_device = cached.kind == MemoryKind::kCuda ? cached.device : -1;
       s.remote_device = d->kind == MemoryKind::kCuda ? std::max(d->device, 0) : -1;
     }
+    *route = !any_gpu       ? MemoryRoute::kHostOnly
+             : all_peer_gpu ? MemoryRoute::kPeerGpu
+                            : MemoryRoute::kGpuToPeerHost;
     return Status::Ok();
   }
 

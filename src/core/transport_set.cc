@@ -14,7 +14,15 @@ std::string hex_peer(PeerId id) {
 }
 
 bool can_carry(const TransportCaps& caps, MemoryRoute route) {
-  return route == MemoryRoute::kHostOnly ? caps.host_memory : caps.cuda_memory;
+  switch (route) {
+    case MemoryRoute::kHostOnly:
+      return caps.host_memory;
+    case MemoryRoute::kPeerGpu:
+      return caps.cuda_memory;
+    case MemoryRoute::kGpuToPeerHost:
+      return caps.cuda_memory && !caps.cuda_peer_only;
+  }
+  return false;
 }
 
 std::vector<std::string> split_names(const std::string& text) {
@@ -35,7 +43,15 @@ std::vector<std::string> split_names(const std::string& text) {
 }  // namespace
 
 std::string_view memory_route_name(MemoryRoute route) {
-  return route == MemoryRoute::kHostOnly ? "host memory" : "GPU memory";
+  switch (route) {
+    case MemoryRoute::kHostOnly:
+      return "host memory";
+    case MemoryRoute::kPeerGpu:
+      return "peer GPU memory";
+    case MemoryRoute::kGpuToPeerHost:
+      return "local GPU with peer host memory";
+  }
+  return "?";
 }
 
 Status TransportSet::start(
@@ -161,8 +177,8 @@ void TransportSet::clear_unused(PeerId peer, std::string_view transport) {
 }
 
 std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
-  const Running* host = pick(peer, MemoryRoute::kHostOnly);
-  const Running* cuda = pick(peer, MemoryRoute::kCuda);
+  const Running* chosen[std::size(kAllRoutes)];
+  for (size_t r = 0; r < std::size(kAllRoutes); ++r) chosen[r] = pick(peer, kAllRoutes[r]);
   std::lock_guard lock(mu_);
   const auto notes = unused_.find(peer);
   std::vector<PeerTransportInfo> out;
@@ -170,26 +186,26 @@ std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
     PeerTransportInfo info;
     info.transport = t.name;
     info.connected = t.transport->is_connected(peer);
-    const bool h = host == &t;
-    const bool c = cuda == &t;
-    info.carries = h && c ? "host and GPU memory" : h ? "host memory" : c ? "GPU memory" : "";
+    std::vector<std::string> carries;
+    std::vector<std::string> taken;  // what it could carry but another transport takes
+    bool cannot_gpu = true;
+    for (size_t r = 0; r < std::size(kAllRoutes); ++r) {
+      const MemoryRoute route = kAllRoutes[r];
+      if (chosen[r] == &t) {
+        carries.emplace_back(memory_route_name(route));
+      } else if (can_carry(t.caps, route) && chosen[r] != nullptr) {
+        taken.push_back(fmt::format("{} carries {}", chosen[r]->name, memory_route_name(route)));
+      }
+      if (route != MemoryRoute::kHostOnly && can_carry(t.caps, route)) cannot_gpu = false;
+    }
+    info.carries = fmt::format("{}", fmt::join(carries, ", "));
     if (!info.connected) {
       if (notes != unused_.end()) {
         if (auto n = notes->second.find(t.name); n != notes->second.end()) info.reason = n->second;
       }
       if (info.reason.empty()) info.reason = "not connected to this peer";
-    } else if (!h || !c) {
-      // Say which transport took what this one could carry.
-      std::vector<std::string> taken;
-      if (!h && can_carry(t.caps, MemoryRoute::kHostOnly) && host) {
-        taken.push_back(fmt::format("{} carries host memory", host->name));
-      }
-      if (!c && can_carry(t.caps, MemoryRoute::kCuda) && cuda) {
-        taken.push_back(fmt::format("{} carries GPU memory", cuda->name));
-      }
-      if (!can_carry(t.caps, MemoryRoute::kCuda) && !c) {
-        taken.push_back("carries no GPU memory");
-      }
+    } else if (carries.size() < std::size(kAllRoutes)) {
+      if (cannot_gpu) taken.push_back("carries no GPU memory");
       info.reason = fmt::format("{}", fmt::join(taken, "; "));
     }
     out.push_back(std::move(info));

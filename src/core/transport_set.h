@@ -24,8 +24,12 @@
 
 namespace ferry {
 
-// What one call moves: host memory on both sides, or GPU memory on either.
-enum class MemoryRoute : uint8_t { kHostOnly, kCuda };
+// What one call moves: host memory on both sides; GPU memory on the peer's
+// side of every iov (the local side any kind); or some local GPU memory with
+// peer host memory. The first route a transport cannot carry goes elsewhere.
+enum class MemoryRoute : uint8_t { kHostOnly, kPeerGpu, kGpuToPeerHost };
+constexpr MemoryRoute kAllRoutes[] = {MemoryRoute::kHostOnly, MemoryRoute::kPeerGpu,
+                                      MemoryRoute::kGpuToPeerHost};
 std::string_view memory_route_name(MemoryRoute route);
 
 class TransportSet {

@@ -51,6 +51,10 @@ struct TransportContext {
 struct TransportCaps {
   bool host_memory = true;
   bool cuda_memory = false;
+  // With cuda_memory: only calls whose every remote side is GPU memory (the
+  // transport maps the peer's GPU memory; it cannot reach the peer's host
+  // memory).
+  bool cuda_peer_only = false;
   bool same_host_only = false;
 };
 

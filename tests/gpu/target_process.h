@@ -90,6 +90,16 @@ class TargetProcess {
     return true;
   }
 
+  pid_t pid() const { return pid_; }
+  // Kills the process (SIGKILL) and reaps it.
+  void kill_now() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+    }
+  }
+
   // "ready", metadata, GPU descriptor, host descriptor (hex).
   const std::vector<std::string>& ready_fields() const { return fields_; }
 

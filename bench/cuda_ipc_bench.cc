@@ -1,0 +1,184 @@
+// ferry-cuda-ipc-bench: GPU memory of another process on this host, written
+// by this one -- Ferry over cuda_ipc and, in the same run, Ferry forced to
+// tcp (what GPU memory took before cuda_ipc) and the ceiling: one contiguous
+// cudaMemcpyAsync of the same bytes inside this process.
+//
+//   ferry-cuda-ipc-bench [--iters N]
+//
+// The target is ferry_cuda_ipc_peer (tests/gpu), started twice: once for the
+// cuda_ipc engine, once for the tcp-only one. Both processes use GPU 0 (the
+// only one on a one-GPU machine); on two GPUs pass CUDA_VISIBLE_DEVICES to
+// pick. Every workload's bytes are checked once by the target.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ferry/engine.h"
+#include "target_process.h"
+#include "tcp_gpu_common.h"
+
+using namespace ferry;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr size_t kRemote = 400u << 20;
+constexpr size_t kLocal = 400u << 20;
+
+struct Side {
+  gputest::TargetProcess target;
+  std::unique_ptr<Engine> engine;
+  PeerId peer = 0;
+  RemoteDescriptor desc;
+  std::string carrier;
+};
+
+bool setup(Side& s, const std::string& transports, void* local) {
+  std::string error;
+  if (!s.target.start(FERRY_CUDA_IPC_PEER, 0, &error)) {
+    std::fprintf(stderr, "target: %s\n", error.c_str());
+    return false;
+  }
+  EngineConfig config;
+  config.options["engine.transports"] = transports;
+  auto e = Engine::create(config);
+  if (!e.ok()) return false;
+  s.engine = std::move(e.value());
+  auto p = s.engine->connect(gputest::unhex(s.target.ready_fields()[1]));
+  if (!p.ok()) {
+    std::fprintf(stderr, "connect: %s\n", p.status().to_string().c_str());
+    return false;
+  }
+  s.peer = *p;
+  const std::string a = s.target.ask("alloc m malloc " + std::to_string(kRemote));
+  if (a.rfind("desc ", 0) != 0) return false;
+  s.desc = RemoteDescriptor::from_bytes(gputest::unhex(a.substr(5, a.find(' ', 5) - 5))).value();
+  if (!s.engine->register_memory(local, kLocal).ok()) return false;
+  for (const auto& t : s.engine->peer_transports(s.peer).value()) {
+    if (t.carries.find("peer GPU") != std::string::npos) s.carrier = t.transport;
+  }
+  return true;
+}
+
+double pct(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(q * (v.size() - 1))];
+}
+
+// p50 / p99 of one blocking write of `bytes`.
+std::pair<double, double> latency(Side& s, uint8_t* local, uint64_t bytes, int iters) {
+  LocalIov l{local, bytes};
+  RemoteIov r{&s.desc, 0, bytes};
+  std::vector<double> us;
+  for (int i = 0; i < iters + 50; ++i) {
+    const auto t0 = Clock::now();
+    if (!s.engine->write(s.peer, {&l, 1}, {&r, 1}).ok()) return {-1, -1};
+    if (i >= 50) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  return {pct(us, 0.5), pct(us, 0.99)};
+}
+
+// GB/s of `calls` calls of `n` blocks of `block` bytes, `depth` in flight.
+double throughput(Side& s, uint8_t* local, uint64_t block, size_t n, int depth, int calls) {
+  std::vector<LocalIov> l(n);
+  std::vector<RemoteIov> r(n);
+  for (size_t i = 0; i < n; ++i) {
+    l[i] = {local + i * block, block};
+    r[i] = {&s.desc, i * block, block};
+  }
+  std::vector<TransferId> window;
+  const auto t0 = Clock::now();
+  for (int c = 0; c < calls; ++c) {
+    if (window.size() == static_cast<size_t>(depth)) {
+      if (!s.engine->wait(window.front(), std::chrono::seconds(60)).ok()) return -1;
+      window.erase(window.begin());
+    }
+    auto id = s.engine->write_async(s.peer, l, r);
+    if (!id.ok()) return -1;
+    window.push_back(*id);
+  }
+  for (TransferId id : window) {
+    if (!s.engine->wait(id, std::chrono::seconds(60)).ok()) return -1;
+  }
+  const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+  return static_cast<double>(block * n) * calls / sec / 1e9;
+}
+
+bool verify(Side& s, uint8_t* local, uint64_t bytes) {
+  std::vector<uint8_t> image(bytes);
+  gputest::fill(image.data(), bytes, 77);
+  cudaMemcpy(local, image.data(), bytes, cudaMemcpyHostToDevice);
+  LocalIov l{local, bytes};
+  RemoteIov r{&s.desc, 0, bytes};
+  if (!s.engine->write(s.peer, {&l, 1}, {&r, 1}).ok()) return false;
+  const std::string a = s.target.ask("sum m 0 " + std::to_string(bytes));
+  return a == "sum " + std::to_string(gputest::fnv(image.data(), bytes));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = 2000;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--iters") == 0) iters = std::atoi(argv[++i]);
+  }
+  if (cudaSetDevice(0) != cudaSuccess) {
+    std::printf("no CUDA device\n");
+    return 1;
+  }
+  uint8_t *local = nullptr, *scratch = nullptr;
+  cudaMalloc(&local, kLocal);
+  cudaMalloc(&scratch, kLocal);
+  Side ipc, tcp;
+  if (!setup(ipc, "auto", local) || !setup(tcp, "tcp", local)) return 1;
+  std::printf("carriers: auto engine -> %s, forced engine -> %s\n", ipc.carrier.c_str(),
+              tcp.carrier.c_str());
+  std::printf("bytes verified: %s / %s\n", verify(ipc, local, 64u << 20) ? "ok" : "MISMATCH",
+              verify(tcp, local, 64u << 20) ? "ok" : "MISMATCH");
+
+  // The ceiling: one contiguous copy of the same bytes, device to device.
+  auto contiguous = [&](uint64_t bytes, int reps) {
+    cudaStream_t st;
+    cudaStreamCreate(&st);
+    cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDeviceToDevice, st);
+    cudaStreamSynchronize(st);
+    const auto t0 = Clock::now();
+    for (int i = 0; i < reps; ++i) cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDeviceToDevice, st);
+    cudaStreamSynchronize(st);
+    const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+    cudaStreamDestroy(st);
+    return static_cast<double>(bytes) * reps / sec / 1e9;
+  };
+
+  std::printf("\n%-34s %14s %14s %14s %9s\n", "blocking write latency (us)", "cuda_ipc p50",
+              "tcp p50", "cuda_ipc p99", "tcp/ipc");
+  for (uint64_t b : {uint64_t{4096}, uint64_t{65536}, uint64_t{1} << 20}) {
+    auto a = latency(ipc, local, b, iters);
+    auto t = latency(tcp, local, b, iters / 4);
+    std::printf("%-34s %14.1f %14.1f %14.1f %8.1fx\n", (std::to_string(b) + " B").c_str(), a.first,
+                t.first, a.second, t.first / a.first);
+  }
+  std::printf("\n%-34s %10s %10s %10s %9s %9s\n", "throughput (GB/s)", "cuda_ipc", "tcp",
+              "contig", "ipc/cont", "ipc/tcp");
+  struct W {
+    const char* name;
+    uint64_t block;
+    size_t n;
+    int depth;
+  } ws[] = {{"128 x 1179648 B, 4 in flight", 1179648, 128, 4},
+            {"298 x 1179648 B, 4 in flight", 1179648, 298, 4},
+            {"4096 x 4 KiB, 4 in flight", 4096, 4096, 4},
+            {"16 MiB x 1, 4 in flight", 16u << 20, 1, 4}};
+  for (const W& w : ws) {
+    const double c = contiguous(w.block * w.n, 20);
+    const double a = throughput(ipc, local, w.block, w.n, w.depth, 40);
+    const double t = throughput(tcp, local, w.block, w.n, w.depth, 4);
+    std::printf("%-34s %10.1f %10.2f %10.1f %8.2fx %8.1fx\n", w.name, a, t, c, a / c, a / t);
+  }
+  return 0;
+}

@@ -1,0 +1,239 @@
+// The cuda_ipc transport: GPU memory of another process on this host, copied
+// by the initiator over NVLink / PCIe peer-to-peer (or within one GPU).
+//
+// Initiator-driven, with grants. Before its first operation on a peer's
+// region the initiator sends GRANT_REQ naming the descriptor (region id,
+// advertised range, key, access). The target checks it exactly as tcp checks
+// an operation -- RegionRegistry::check_remote on the whole advertised range
+// with the claimed access -- and answers with IPC handles of the allocations
+// that cover the region (legacy cudaIpc handle, or cuMem POSIX descriptors
+// passed with SCM_RIGHTS). The initiator maps them once (cached per
+// connection by the allocation's buffer id, shared by every region of it)
+// and from then on copies with its own CopyStream, confined by its engine to
+// the granted range and access. No message is exchanged per write; a write's
+// notification is sent after the copy completed.
+//
+// The target holds a RegionPin for every region it granted, so deregistration
+// waits until every importer let go: release_revoked_regions() sends REVOKE,
+// the importer drops the grant, waits for its copies into the region, unmaps
+// and answers REVOKE_ACK, and only then is the pin dropped. An importer that
+// does not answer within cuda_ipc.revoke_timeout_ms loses its connection.
+// docs/design.md ("cuda_ipc: grants and revocation") has the full argument.
+//
+// Threads: one epoll I/O thread reads every control socket and answers
+// grants and revocations; one completion thread polls the copy streams while
+// copies are in flight (and sleeps when none are), completes transfers,
+// sends notifications and REVOKE_ACKs, and enforces revoke deadlines.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "ferry/gpu.h"
+#include "transport/cuda_ipc/cuda_ipc_wire.h"
+#include "transport/cuda_ipc/ipc_memory.h"
+#include "transport/transport.h"
+
+namespace ferry::cuda_ipc {
+
+extern const OptionSpec kCudaIpcOptionSpecs[];
+extern const size_t kCudaIpcOptionSpecCount;
+
+struct CudaIpcOptions {
+  std::string socket_dir = "/tmp";
+  std::chrono::milliseconds connect_timeout{5000};
+  std::chrono::milliseconds grant_timeout{10000};
+  std::chrono::milliseconds revoke_timeout{2000};
+  std::chrono::milliseconds send_timeout{10000};
+  uint32_t sm_budget = 8;
+  uint64_t kernel_max_block = 256 << 10;
+};
+
+// The descriptor a grant was made for: ops may use exactly this range/access.
+using GrantKey = std::tuple<RegionId, uint64_t, uint64_t, uint64_t, uint8_t>;
+
+// A peer's region mapped here.
+struct ImportedGrant {
+  GrantKey key;
+  std::shared_ptr<Mapping> mapping;
+  uint8_t* address = nullptr;  // the advertised start, in this process
+  uint64_t length = 0;         // advertised length
+  uint32_t in_flight = 0;      // copy groups using it (under Connection::mu)
+};
+
+struct Connection : std::enable_shared_from_this<Connection> {
+  ~Connection();
+
+  int fd = -1;
+  pid_t pid = 0;    // the peer's, from SO_PEERCRED
+  PeerId peer = 0;  // known once the handshake is done
+  bool outgoing = false;
+  bool established = false;  // I/O thread / set-up only
+  std::string via;
+  std::atomic<bool> dead{false};
+
+  // Frames go out whole, one at a time. Also guards `exported` (a grant is
+  // recorded and sent under it, so a REVOKE can never overtake its GRANT).
+  std::mutex send_mu;
+  struct Exported {
+    RegionPin pin;
+    bool revoke_sent = false;
+    std::chrono::steady_clock::time_point revoke_deadline{};
+  };
+  std::unordered_map<RegionId, Exported> exported;
+
+  // Importer state.
+  std::mutex mu;
+  std::condition_variable cv;  // a grant answer arrived, or the connection died
+  std::string dead_reason;     // under mu
+  std::map<GrantKey, std::shared_ptr<ImportedGrant>> grants;
+  std::unordered_map<uint64_t, std::weak_ptr<Mapping>> mappings;  // peer buffer id →
+  struct GrantAnswer {
+    bool done = false;
+    Grant grant;
+    std::vector<int> fds;
+  };
+  std::unordered_map<uint64_t, GrantAnswer> grant_waits;  // request id →
+
+  // --- I/O thread only ---
+  Bytes rx;
+  size_t rx_len = 0;
+  std::deque<int> rx_fds;    // received, not yet taken by a GRANT
+  size_t announced_fds = 0;  // of rx_fds, announced by FDS frames
+};
+
+class CudaIpcTransport final : public Transport {
+ public:
+  CudaIpcTransport() = default;
+  ~CudaIpcTransport() override;
+
+  std::string_view name() const override { return "cuda_ipc"; }
+  TransportCaps capabilities() const override;
+  Status start(const TransportContext& context) override;
+  void shutdown(const Status& reason) override;
+  Bytes local_address() const override;
+  std::string local_address_text() const override;
+  Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) override;
+  bool is_connected(PeerId peer) const override;
+  std::string peer_address(PeerId peer) const override;
+  Status post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                    std::vector<Segment> segments) override;
+  Status post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                   std::vector<Segment> segments) override;
+  Status post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                           Bytes payload) override;
+  void cancel(Transfer& transfer) override;
+  void release_revoked_regions() override;
+
+ private:
+  // One copy stream per (device, kind): the default one (SM kernel for small
+  // blocks, copy engine for large ones) and a copy-engine-only one for
+  // pageable host memory, which the kernel cannot read.
+  struct InFlight {
+    std::shared_ptr<Transfer> transfer;
+    std::shared_ptr<Connection> conn;
+    uint64_t ticket = 0;
+    std::vector<std::shared_ptr<ImportedGrant>> grants;
+  };
+  struct StreamSlot {
+    int device = 0;
+    bool engine_only = false;
+    std::unique_ptr<CopyStream> stream;
+    std::mutex mu;  // submit + push in ticket order
+    std::deque<InFlight> fifo;
+  };
+  struct PendingRevoke {
+    std::shared_ptr<Connection> conn;
+    std::vector<uint64_t> region_ids;
+    std::vector<std::shared_ptr<ImportedGrant>> grants;
+  };
+
+  Status read_options();
+  Status establish(const std::shared_ptr<Connection>& c);
+  void watch(const std::shared_ptr<Connection>& c);
+
+  // --- I/O thread ---
+  void io_loop();
+  void on_accept();
+  void on_readable(const std::shared_ptr<Connection>& c);
+  Status parse_frames(const std::shared_ptr<Connection>& c);
+  Status on_frame(const std::shared_ptr<Connection>& c, const FrameHeader& h, ByteView body);
+  Status on_hello(const std::shared_ptr<Connection>& c, const FrameHeader& h, ByteView body);
+  Status serve_grant(Connection& c, const GrantRequest& q);
+  Status on_grant(Connection& c, ByteView body);
+  Status on_revoke(const std::shared_ptr<Connection>& c, ByteView body);
+  Status on_revoke_ack(Connection& c, ByteView body);
+
+  // --- initiator ---
+  Result<std::shared_ptr<Connection>> live_connection(PeerId peer) const;
+  Status post(PeerId peer, const std::shared_ptr<Transfer>& t, std::vector<Segment>& segments,
+              bool write);
+  // The grant for each segment (requested and mapped where missing), each
+  // counted in flight once per use.
+  Status acquire_grants(const std::shared_ptr<Connection>& c, const std::vector<Segment>& segments,
+                        std::vector<ImportedGrant*>* per_segment,
+                        std::vector<std::shared_ptr<ImportedGrant>>* used);
+  Result<std::shared_ptr<ImportedGrant>> request_grant(const std::shared_ptr<Connection>& c,
+                                                       const GrantKey& key);
+  void release_grants(Connection& c, const std::vector<std::shared_ptr<ImportedGrant>>& grants);
+  Result<StreamSlot*> slot_for(int device, bool engine_only);
+
+  // --- completion thread ---
+  void completion_loop();
+  void finish_group(InFlight& f, const Status& status);
+  void finish_transfer(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t);
+  bool process_revokes();
+  void enforce_revoke_deadlines();
+  void wake_completion();
+
+  // --- both ---
+  Status send_frame(Connection& c, const Bytes& frame, std::span<const int> fds = {});
+  void fail_connection(Connection& c, const Status& reason);
+  std::string describe(const Connection& c) const;
+
+  TransportContext ctx_;
+  CudaIpcOptions opt_;
+  Address address_;
+  std::string socket_path_;
+  int listen_fd_ = -1;
+  int epfd_ = -1;
+  int wakefd_ = -1;
+  std::thread io_thread_;
+  std::atomic<bool> io_stop_{false};
+
+  std::mutex io_mu_;
+  std::unordered_map<Connection*, std::shared_ptr<Connection>> watched_;
+
+  mutable std::mutex mu_;
+  bool started_ = false;
+  bool stopped_ = false;
+  std::unordered_map<PeerId, std::shared_ptr<Connection>> primary_;
+  std::vector<std::shared_ptr<Connection>> open_;
+  std::mutex connect_mu_;
+  std::atomic<uint64_t> next_request_id_{1};
+
+  std::mutex slots_mu_;
+  std::vector<std::unique_ptr<StreamSlot>> slots_;  // never shrinks while running
+
+  std::thread completion_thread_;
+  std::mutex completion_mu_;
+  std::condition_variable completion_cv_;
+  bool completion_stop_ = false;        // under completion_mu_
+  std::atomic<uint64_t> in_flight_{0};  // copy groups not yet finished
+  std::vector<PendingRevoke> revokes_;  // under completion_mu_
+};
+
+}  // namespace ferry::cuda_ipc

@@ -1,0 +1,335 @@
+// The cuda_ipc transport between two real processes on one host (one GPU
+// serves both where the machine has one): GPU memory of the target process
+// written and read by the initiator from GPU, pinned and pageable host memory;
+// cudaMalloc, sub-allocations inside one allocation, VMM (cuMem, two physical
+// pieces), a buffer freed and allocated again, deregistration while copies
+// run, notifications after the data, a peer killed mid-copy, and refusals.
+// Random data; every byte checked by the target process itself (FNV-1a of its
+// memory). Skips, with the reason, where no CUDA device answers.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/engine.h"
+#include "ferry/gpu.h"
+#include "target_process.h"
+#include "tcp_gpu_common.h"
+
+namespace ferry {
+namespace {
+
+constexpr size_t kLocalSize = 64u << 20;
+
+std::string field(const std::string& line, size_t i) {
+  size_t pos = 0;
+  for (size_t k = 0; k < i; ++k) {
+    pos = line.find(' ', pos);
+    if (pos == std::string::npos) return {};
+    ++pos;
+  }
+  return line.substr(pos, line.find(' ', pos) - pos);
+}
+
+class CudaIpc : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string reason;
+    if (!cuda_available(&reason)) GTEST_SKIP() << "skipped: " << reason;
+    std::string error;
+    ASSERT_TRUE(target_.start(FERRY_CUDA_IPC_PEER, 0, &error)) << error;
+    ASSERT_EQ(target_.ready_fields().size(), 2u);
+    auto e = Engine::create();
+    ASSERT_TRUE(e.ok()) << e.status().to_string();
+    engine_ = std::move(e.value());
+    auto peer = engine_->connect(gputest::unhex(target_.ready_fields()[1]));
+    ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+    peer_ = *peer;
+    ASSERT_EQ(cudaMalloc(&gpu_, kLocalSize), cudaSuccess);
+    ASSERT_EQ(cudaMallocHost(&pinned_, kLocalSize), cudaSuccess);
+    pageable_.resize(kLocalSize);
+    for (void* p : {gpu_, pinned_, static_cast<void*>(pageable_.data())}) {
+      auto r = engine_->register_memory(p, kLocalSize);
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+    }
+  }
+  void TearDown() override {
+    engine_.reset();
+    if (gpu_) cudaFree(gpu_);
+    if (pinned_) cudaFreeHost(pinned_);
+  }
+
+  // Allocates a target buffer; returns its descriptor.
+  RemoteDescriptor alloc(const std::string& name, const std::string& kind, size_t size,
+                         size_t off = 0, size_t len = 0) {
+    std::string cmd = "alloc " + name + " " + kind + " " + std::to_string(size);
+    if (len != 0) cmd += " " + std::to_string(off) + " " + std::to_string(len);
+    const std::string answer = target_.ask(cmd);
+    EXPECT_EQ(answer.rfind("desc ", 0), 0u) << answer;
+    return RemoteDescriptor::from_bytes(gputest::unhex(field(answer, 1))).value();
+  }
+  uint64_t remote_sum(const std::string& name, uint64_t off, uint64_t len) {
+    const std::string a =
+        target_.ask("sum " + name + " " + std::to_string(off) + " " + std::to_string(len));
+    EXPECT_EQ(a.rfind("sum ", 0), 0u) << a;
+    return std::stoull(field(a, 1));
+  }
+
+  uint8_t* local(const std::string& kind) {
+    if (kind == "gpu") return static_cast<uint8_t*>(gpu_);
+    if (kind == "pinned") return static_cast<uint8_t*>(pinned_);
+    return pageable_.data();
+  }
+  void put_local(const std::string& kind, const std::vector<uint8_t>& image) {
+    if (kind == "gpu") {
+      ASSERT_EQ(cudaMemcpy(gpu_, image.data(), image.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    } else {
+      std::copy(image.begin(), image.end(), local(kind));
+    }
+  }
+  std::vector<uint8_t> get_local(const std::string& kind, size_t n) {
+    std::vector<uint8_t> out(n);
+    if (kind == "gpu") {
+      EXPECT_EQ(cudaMemcpy(out.data(), gpu_, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    } else {
+      std::copy(local(kind), local(kind) + n, out.begin());
+    }
+    return out;
+  }
+
+  // Writes `batch` blocks of `block` bytes scattered locally (stride block+5)
+  // into consecutive remote blocks, checks the target's bytes; then reads
+  // them back into fresh local memory and checks those.
+  void write_read(const std::string& local_kind, const std::string& name,
+                  const RemoteDescriptor& remote, uint64_t block, size_t batch, uint64_t seed) {
+    SCOPED_TRACE(local_kind + " <-> " + name + " " + std::to_string(block) + "B x" +
+                 std::to_string(batch));
+    const uint64_t stride = block + 5;
+    ASSERT_LE(stride * batch, kLocalSize);
+    ASSERT_LE(block * batch, remote.length);
+    std::vector<uint8_t> image(stride * batch);
+    gputest::fill(image.data(), image.size(), seed);
+    put_local(local_kind, image);
+    std::vector<LocalIov> l(batch);
+    std::vector<RemoteIov> r(batch);
+    for (size_t i = 0; i < batch; ++i) {
+      l[i] = {local(local_kind) + i * stride, block};
+      r[i] = {&remote, i * block, block};
+    }
+    ASSERT_TRUE(engine_->write(peer_, l, r).ok());
+    std::vector<uint8_t> expect(block * batch);
+    for (size_t i = 0; i < batch; ++i) {
+      std::copy_n(image.begin() + static_cast<long>(i * stride), block,
+                  expect.begin() + static_cast<long>(i * block));
+    }
+    EXPECT_EQ(remote_sum(name, 0, expect.size()), gputest::fnv(expect.data(), expect.size()));
+
+    // Read back into a poisoned local buffer.
+    std::vector<uint8_t> poison(stride * batch, 0xA5);
+    put_local(local_kind, poison);
+    Status s = engine_->read(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    std::vector<uint8_t> back = get_local(local_kind, stride * batch);
+    for (size_t i = 0; i < batch; ++i) {
+      ASSERT_EQ(0, std::memcmp(back.data() + i * stride, expect.data() + i * block, block))
+          << "block " << i;
+      ASSERT_EQ(back[i * stride + block], 0xA5) << "gap after block " << i << " was written";
+    }
+  }
+
+  std::string carrier() {
+    auto info = engine_->peer_transports(peer_);
+    for (const auto& t : *info) {
+      if (t.carries.find("peer GPU memory") != std::string::npos) return t.transport;
+    }
+    return "none";
+  }
+
+  gputest::TargetProcess target_;
+  std::unique_ptr<Engine> engine_;
+  PeerId peer_ = 0;
+  void* gpu_ = nullptr;
+  void* pinned_ = nullptr;
+  std::vector<uint8_t> pageable_;
+};
+
+TEST_F(CudaIpc, ChosenForPeerGpuMemory) {
+  EXPECT_EQ(carrier(), "cuda_ipc");
+  auto info = engine_->peer_transports(peer_);
+  for (const auto& t : *info) {
+    if (t.transport == "cuda_ipc") {
+      EXPECT_TRUE(t.connected);
+      EXPECT_EQ(t.carries, "peer GPU memory");
+    }
+  }
+}
+
+TEST_F(CudaIpc, EveryLocalKindToMallocMemory) {
+  RemoteDescriptor d = alloc("m", "malloc", 32u << 20);
+  uint64_t seed = 1;
+  for (const char* kind : {"gpu", "pinned", "pageable"}) {
+    write_read(kind, "m", d, 4096, 1, seed++);
+    write_read(kind, "m", d, 4096, 4096, seed++);
+    write_read(kind, "m", d, 1179648, 16, seed++);
+    write_read(kind, "m", d, 3, 1000, seed++);
+    write_read(kind, "m", d, 65536 + 17, 100, seed++);
+  }
+}
+
+TEST_F(CudaIpc, SubAllocationInsideOneAllocation) {
+  // Two regions inside one cudaMalloc allocation (a caching allocator's
+  // blocks): each maps the same allocation at its own offset.
+  RemoteDescriptor a = alloc("a", "malloc", 8u << 20, (1u << 20) + 7, 3u << 20);
+  write_read("gpu", "a", a, 4096, 512, 11);
+  write_read("gpu", "a", a, (3u << 20), 1, 12);
+}
+
+TEST_F(CudaIpc, VmmMemoryInTwoPieces) {
+  RemoteDescriptor v = alloc("v", "vmm", 16u << 20);
+  ASSERT_EQ(v.kind, MemoryKind::kCuda);
+  // Blocks that cross the boundary of the two physical allocations.
+  write_read("gpu", "v", v, 1u << 20, 16, 21);
+  write_read("pinned", "v", v, 4096 + 3, 2000, 22);
+}
+
+TEST_F(CudaIpc, PoolMemoryIsRefusedWithTheReason) {
+  RemoteDescriptor p = alloc("p", "pool", 1u << 20);
+  std::vector<LocalIov> l{{gpu_, 4096}};
+  std::vector<RemoteIov> r{{&p, 0, 4096}};
+  Status s = engine_->write(peer_, l, r);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.to_string();
+  EXPECT_NE(s.message().find("cudaMallocAsync"), std::string::npos) << s.to_string();
+}
+
+TEST_F(CudaIpc, WrongKeyIsRefusedByTheTarget) {
+  RemoteDescriptor d = alloc("m", "malloc", 1u << 20);
+  RemoteDescriptor forged = d;
+  forged.key ^= 1;
+  std::vector<LocalIov> l{{gpu_, 4096}};
+  std::vector<RemoteIov> r{{&forged, 0, 4096}};
+  ASSERT_TRUE(target_.ask("fill m 5") == "ok");
+  Status s = engine_->write(peer_, l, r);
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  std::vector<uint8_t> image(1u << 20);
+  gputest::fill(image.data(), image.size(), 5);
+  EXPECT_EQ(remote_sum("m", 0, image.size()), gputest::fnv(image.data(), image.size()));
+  // The genuine descriptor still works.
+  write_read("gpu", "m", d, 4096, 8, 6);
+}
+
+TEST_F(CudaIpc, ReadOnlyDescriptorRefusesWrites) {
+  RemoteDescriptor d = alloc("m", "malloc", 1u << 20);
+  RemoteDescriptor ro = d;
+  ro.access = kAccessRead;  // a forged downgrade keeps the key: the target refuses it
+  std::vector<LocalIov> l{{gpu_, 4096}};
+  std::vector<RemoteIov> r{{&ro, 0, 4096}};
+  EXPECT_EQ(engine_->write(peer_, l, r).code(), StatusCode::kPermissionDenied);
+}
+
+TEST_F(CudaIpc, FreedAndReallocatedBufferIsMappedAfresh) {
+  RemoteDescriptor d = alloc("m", "malloc", 4u << 20);
+  write_read("gpu", "m", d, 65536, 64, 31);
+  const std::string answer = target_.ask("realloc m");
+  ASSERT_EQ(answer.rfind("desc ", 0), 0u) << answer;
+  RemoteDescriptor fresh = RemoteDescriptor::from_bytes(gputest::unhex(field(answer, 1))).value();
+  // The old descriptor names a deregistered region.
+  std::vector<LocalIov> l{{gpu_, 4096}};
+  std::vector<RemoteIov> r{{&d, 0, 4096}};
+  EXPECT_EQ(engine_->write(peer_, l, r).code(), StatusCode::kNotFound);
+  // The new allocation (often at the same address) gets its own mapping.
+  write_read("gpu", "m", fresh, 65536, 64, 32);
+  write_read("pinned", "m", fresh, 4096, 1000, 33);
+}
+
+TEST_F(CudaIpc, NotificationArrivesAfterTheData) {
+  RemoteDescriptor d = alloc("m", "malloc", 32u << 20);
+  std::vector<uint8_t> image(32u << 20);
+  gputest::fill(image.data(), image.size(), 41);
+  put_local("gpu", image);
+  std::vector<LocalIov> l{{gpu_, image.size()}};
+  std::vector<RemoteIov> r{{&d, 0, image.size()}};
+  const std::string tag = "layer-7-done";
+  auto id = engine_->write_async(
+      peer_, l, r, ByteView(reinterpret_cast<const uint8_t*>(tag.data()), tag.size()));
+  ASSERT_TRUE(id.ok()) << id.status().to_string();
+  EXPECT_EQ(target_.ask("notif 10000"), "notif " + tag);
+  // By the time the target saw the notification, every byte was there.
+  EXPECT_EQ(remote_sum("m", 0, image.size()), gputest::fnv(image.data(), image.size()));
+  EXPECT_TRUE(engine_->wait(*id, std::chrono::seconds(10)).ok());
+}
+
+TEST_F(CudaIpc, DeregistrationWaitsForCopiesInFlightThenRefuses) {
+  RemoteDescriptor d = alloc("m", "malloc", 64u << 20);
+  std::vector<LocalIov> l;
+  std::vector<RemoteIov> r;
+  for (size_t i = 0; i < 64; ++i) {
+    l.push_back({static_cast<uint8_t*>(gpu_) + (i % 63) * (1u << 20), 1u << 20});
+    r.push_back({&d, i * (1u << 20), 1u << 20});
+  }
+  // Map it first, then keep copies going while the target deregisters.
+  ASSERT_TRUE(engine_->write(peer_, l, r).ok());
+  std::vector<TransferId> ids;
+  for (int k = 0; k < 32; ++k) {
+    auto id = engine_->write_async(peer_, l, r);
+    ASSERT_TRUE(id.ok());
+    ids.push_back(*id);
+  }
+  const std::string answer = target_.ask("dereg m");
+  EXPECT_EQ(answer.rfind("ok ", 0), 0u) << answer;
+  for (TransferId id : ids) {
+    Status s = engine_->wait(id, std::chrono::seconds(30));
+    EXPECT_TRUE(s.ok()) << s.to_string();  // posted before the revoke: completed
+  }
+  Status after = engine_->write(peer_, l, r);
+  EXPECT_EQ(after.code(), StatusCode::kNotFound) << after.to_string();
+}
+
+TEST_F(CudaIpc, PeerKilledMidCopyFailsTransfersPromptly) {
+  RemoteDescriptor d = alloc("m", "malloc", 64u << 20);
+  std::vector<LocalIov> l{{gpu_, 64u << 20}};
+  std::vector<RemoteIov> r{{&d, 0, 64u << 20}};
+  ASSERT_TRUE(engine_->write(peer_, l, r).ok());
+  std::vector<TransferId> ids;
+  for (int k = 0; k < 64; ++k) ids.push_back(engine_->write_async(peer_, l, r).value());
+  target_.kill_now();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (TransferId id : ids) {
+    Status s = engine_->wait(id, std::chrono::seconds(10));
+    EXPECT_NE(s.code(), StatusCode::kTimeout) << s.to_string();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  // Later calls fail with a clear status; the engine itself goes on.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  Status s = engine_->write(peer_, l, r);
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(s.code() == StatusCode::kPeerDisconnected || s.code() == StatusCode::kNotSupported)
+      << s.to_string();
+}
+
+TEST_F(CudaIpc, ManyInFlightFromSeveralThreads) {
+  RemoteDescriptor d = alloc("m", "malloc", 16u << 20);
+  std::vector<uint8_t> image(16u << 20);
+  gputest::fill(image.data(), image.size(), 51);
+  put_local("gpu", image);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<LocalIov> l;
+      std::vector<RemoteIov> r;
+      const size_t quarter = (16u << 20) / 4;
+      for (size_t o = 0; o < quarter; o += 4096) {
+        l.push_back({static_cast<uint8_t*>(gpu_) + t * quarter + o, 4096});
+        r.push_back({&d, t * quarter + o, 4096});
+      }
+      for (int k = 0; k < 20; ++k) EXPECT_TRUE(engine_->write(peer_, l, r).ok());
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(remote_sum("m", 0, image.size()), gputest::fnv(image.data(), image.size()));
+}
+
+}  // namespace
+}  // namespace ferry
