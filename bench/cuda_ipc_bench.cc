@@ -132,8 +132,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   uint8_t *local = nullptr, *scratch = nullptr;
-  cudaMalloc(&local, kLocal);
-  cudaMalloc(&scratch, kLocal);
+  cudaMalloc(reinterpret_cast<void**>(&local), kLocal);
+  cudaMalloc(reinterpret_cast<void**>(&scratch), kLocal);
   Side ipc, tcp;
   if (!setup(ipc, "auto", local) || !setup(tcp, "tcp", local)) return 1;
   std::printf("carriers: auto engine -> %s, forced engine -> %s\n", ipc.carrier.c_str(),
@@ -148,7 +148,8 @@ int main(int argc, char** argv) {
     cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDeviceToDevice, st);
     cudaStreamSynchronize(st);
     const auto t0 = Clock::now();
-    for (int i = 0; i < reps; ++i) cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDeviceToDevice, st);
+    for (int i = 0; i < reps; ++i)
+      cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDeviceToDevice, st);
     cudaStreamSynchronize(st);
     const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
     cudaStreamDestroy(st);
@@ -163,8 +164,8 @@ int main(int argc, char** argv) {
     std::printf("%-34s %14.1f %14.1f %14.1f %8.1fx\n", (std::to_string(b) + " B").c_str(), a.first,
                 t.first, a.second, t.first / a.first);
   }
-  std::printf("\n%-34s %10s %10s %10s %9s %9s\n", "throughput (GB/s)", "cuda_ipc", "tcp",
-              "contig", "ipc/cont", "ipc/tcp");
+  std::printf("\n%-34s %10s %10s %10s %9s %9s\n", "throughput (GB/s)", "cuda_ipc", "tcp", "contig",
+              "ipc/cont", "ipc/tcp");
   struct W {
     const char* name;
     uint64_t block;
