@@ -414,7 +414,11 @@ class NcclWorker(Base):
     def hello(self):
         h = super().hello()
         if self.gpu:
-            nccl = ".".join(map(str, self.T.cuda.nccl.version()))
+            try:
+                v = self.T.cuda.nccl.version()
+                nccl = ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+            except Exception as e:
+                nccl = f"? ({e})"
             h["version"] = f"NCCL {nccl} (torch {self.T.__version__})"
         else:
             h["version"] = f"gloo standing in for NCCL (--cpu-smoke; torch {self.T.__version__})"
@@ -738,6 +742,10 @@ def main():
     ap.add_argument("--json", default="", help="result file (default RESULTS_DIR/cuda_ipc-DATE-COMMIT.json)")
     ap.add_argument("--plot", default="", help="PNG (default: the JSON path with .png)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the workers' logs (printed path)")
+    ap.add_argument("--log-dir", default="", help="the workers' logs go here (default: a fresh temp dir)")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds: start no repetition that would end after this (0: no limit); "
+                         "the table then has fewer repetitions, and says so")
     a = ap.parse_args()
     if a.quick:
         a.reps, a.secs, a.warmup, a.lat_iters = 1, 0.25, 0.1, 500
@@ -746,7 +754,7 @@ def main():
         a.lat_iters = 300
     t_start = time.time()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    commit = git("rev-parse", "--short", "HEAD") or "nogit"
+    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("BENCH_COMMIT", "nogit")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "src", "include", "python"))
     env_info = {"host": platform.node(), "kernel": platform.release(), "nproc": os.cpu_count(),
                 "python": platform.python_version()}
@@ -840,11 +848,16 @@ def main():
         elif g not in want_groups:
             want_groups.append(g)
 
-    logdir = Path(tempfile.mkdtemp(prefix="ferry-cuda-ipc-"))
+    if a.log_dir:
+        logdir = Path(a.log_dir)
+        logdir.mkdir(parents=True, exist_ok=True)
+        a.keep_logs = True
+    else:
+        logdir = Path(tempfile.mkdtemp(prefix="ferry-cuda-ipc-"))
     groups = {}
     versions, transports, ucx_protocols = {}, {}, None
     failures, runs = [], []
-    status = 0
+    status, reps_done, interrupted = 0, 0, False
     try:
         # --- start every group (in parallel), then finish the set-up of each ---------
         for g in want_groups:
@@ -885,7 +898,15 @@ def main():
 
         # --- the measurements: alternating, order rotated --------------------------------
         calib = {}
+        t_reps = time.time()
         for rep in range(a.reps):
+            if a.budget and rep > 0:
+                per_rep = (time.time() - t_reps) / rep
+                if time.time() - t_start + per_rep > a.budget:
+                    log(f"--budget {a.budget:.0f} s: stopping after {rep} of {a.reps} repetitions "
+                        f"({per_rep:.0f} s each)")
+                    break
+            reps_done = rep + 1
             for wi, wl in enumerate(wls):
                 todo = [c for c in cols if applicable(c, wl) and live(c)]
                 if not todo:
@@ -924,6 +945,7 @@ def main():
     except KeyboardInterrupt:
         log("interrupted")
         status = 130
+        interrupted = True
     finally:
         for grp in groups.values():
             if not grp.dead:
@@ -942,13 +964,18 @@ def main():
 
     # --- medians, table, floors, JSON, plot --------------------------------------------
     med = medians(runs, wls, cols)
+    if reps_done != a.reps:
+        a.reps_planned, a.reps = a.reps, reps_done
     print(table(wls, cols, med, not_run, a, gpu_note, smoke))
+    if getattr(a, "reps_planned", None):
+        print(f"(stopped early: {a.reps} of {a.reps_planned} repetitions"
+              + (", interrupted" if interrupted else f", --budget {a.budget:.0f} s") + ")")
     print()
     print("versions: " + "; ".join(f"{g}: {v}" for g, v in versions.items() if v))
     for g, t in transports.items():
         print(f"{'Ferry' if g == 'ferry' else 'Ferry tcp'}: {describe_transports(t)}")
     if ucx_protocols:
-        print(f"NIXL/UCX transports seen in UCX_PROTO_INFO: {', '.join(ucx_protocols)}")
+        print("NIXL: UCX picked (UCX_PROTO_INFO): " + "; ".join(ucx_protocols))
     for c, why in not_run.items():
         print(f"NOT RUN {c}: {why}")
     for f in failures:
@@ -1053,17 +1080,29 @@ def describe_transports(t):
 
 
 def ucx_seen(grp):
-    """UCX transports named in the NIXL workers' UCX_PROTO_INFO output (e.g. cuda_ipc/cuda)."""
-    seen = set()
+    """What UCX picked under NIXL, from the workers' UCX_PROTO_INFO tables:
+    ['put from cuda memory to cuda: cuda_ipc/cuda', ...] (operation, memory types: transports)."""
+    seen = {}
     for w in grp.workers.values():
         try:
             text = w.log.read_text(errors="replace")
         except OSError:
             continue
-        for m in re.finditer(r"\b(cuda_ipc|cuda_copy|gdr_copy|cma|knem|xpmem|sysv|posix|tcp|rc_mlx5|"
-                             r"dc_mlx5|ud_mlx5|rc_verbs|self)/[\w:.-]+", text):
-            seen.add(m.group(0))
-    return sorted(seen)
+        what = None
+        for line in text.splitlines():
+            if "|" not in line:  # UCX_PROTO_INFO prints tables; skip tracebacks and the rest
+                continue
+            m = re.search(r"\|\s*([^|]*\bby ucp_\w+\*?[^|]*?)\s*\|", line)
+            if m:  # "remote memory write by ucp_put*(multi) from host memory to cuda" -> "put from host ..."
+                d = re.sub(r"\([^)]*\)", "", m.group(1))
+                what = (re.sub(r"^remote memory (write|read) by ucp_(\w+?)\*? ", r"\2 ", d)
+                        if d.startswith("remote memory") else None)
+                continue
+            for t in re.finditer(r"(?<![\w/.])(cuda_ipc|cuda_copy|gdr_copy|cma|knem|xpmem|sysv|posix|tcp|"
+                                 r"rc_mlx5|dc_mlx5|ud_mlx5|rc_verbs|self)/[\w:.-]+", line):
+                if what:  # one-sided put/get only (not the active messages of the handshake)
+                    seen.setdefault(what, set()).add(t.group(0))
+    return [f"{k}: {', '.join(sorted(v))}" for k, v in sorted(seen.items())]
 
 
 def medians(runs, wls, cols):
