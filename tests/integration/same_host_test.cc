@@ -1,10 +1,13 @@
 // The per-peer transport choice between processes of one host, and the shm
 // transport's own cases: which transport carries what and why, batches of 1
-// to 100,000 iovs verified in the target's memory, the host id standing for
-// two hosts, forcing tcp, and cross-memory attach refused by the kernel.
+// to 100,000 iovs verified in the target's memory (by cross-memory attach and
+// through the shared-memory staging mode), the host id standing for two
+// hosts, forcing tcp, and cross-memory attach refused by the kernel (shm then
+// runs in staging mode).
 //
 // The engine-level suites (transfer, notification, refusal, peer failure) run
-// over shm already (the automatic choice here) and again with tcp forced.
+// over shm already (the automatic choice here), again with tcp forced and
+// again with shm in staging mode (FERRY_SHM_MODE=staging).
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -42,12 +45,30 @@ std::string Describe(const std::vector<PeerTransportInfo>& routes) {
   return out;
 }
 
+// How the shm transport moves bytes to `peer`, as an engine that runs shm
+// alone reports it (Engine::peer_address gives the shm connection's own
+// description there: "pid … via …, cross-memory attach" or "…, shared memory
+// (…)").
+std::string ShmMode(const TestPeer& peer, std::map<std::string, std::string> options = {}) {
+  options["engine.transports"] = "shm";
+  auto engine = MakeEngine(std::move(options));
+  if (!engine) return "no engine";
+  auto p = engine->connect(ByteView(peer.metadata));
+  if (!p.ok()) return "connect failed: " + p.status().to_string();
+  auto address = engine->peer_address(*p);
+  return address.ok() ? *address : address.status().to_string();
+}
+
 class SameHost : public ::testing::Test {
  protected:
   void SetUp() override {
     const char* forced = std::getenv("FERRY_ENGINE_TRANSPORTS");
     if (forced && std::string(forced) != "auto") {
       GTEST_SKIP() << "FERRY_ENGINE_TRANSPORTS=" << forced << " decides the transports";
+    }
+    const char* mode = std::getenv("FERRY_SHM_MODE");
+    if (mode && std::string(mode) != "auto") {
+      GTEST_SKIP() << "FERRY_SHM_MODE=" << mode << " decides how shm moves bytes";
     }
     auto probe = MakeEngine();
     ASSERT_TRUE(probe);
@@ -136,6 +157,52 @@ TEST_F(SameHost, BatchesOfOneToOneHundredThousandIovs) {
   ASSERT_NO_FATAL_FAILURE(WriteReadScattered(100000, 64, 16));
 }
 
+TEST_F(SameHost, StagingModeMovesEveryByteAndSaysSo) {
+  // shm.mode=staging on this side only: the peer (auto) follows, and the
+  // bytes pass through the two shared-memory areas, pipelined through a
+  // small one here.
+  ASSERT_NO_FATAL_FAILURE(
+      Connect(16 << 20, {{"shm.mode", "staging"}, {"shm.staging_bytes", "2MiB"}}));
+  const auto* shm = Find(routes_, "shm");
+  ASSERT_TRUE(shm) << Describe(routes_);
+  EXPECT_TRUE(shm->connected) << Describe(routes_);
+  EXPECT_EQ(shm->carries, "host memory") << Describe(routes_);
+  const std::string mode = ShmMode(*peer_, {{"shm.mode", "staging"}});
+  EXPECT_NE(mode.find("shared memory (shm.mode=staging on this engine)"), std::string::npos)
+      << mode;
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(1, 4096, 41));
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(1, (8 << 20) + 13, 42));  // 16 requests in 2 MiB
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(10, 4096, 43));
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(1000, 4096, 44));
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(3000, 3, 45));
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(100000, 64, 46));
+  // The peer initiates over the same staged connection.
+  const std::string me = Hex64(engine_->id());
+  ASSERT_EQ(peer_->Command("connect " + ToHex(engine_->metadata())), "OK " + me);
+  const std::string carriers = peer_->Command("carriers " + me);
+  EXPECT_EQ(carriers.rfind("OK shm", 0), 0u) << carriers;
+}
+
+TEST_F(SameHost, ForcedModesThatConflictLeaveHostMemoryToTcpAndSayWhy) {
+  // shm.mode=cma here and staging on the peer: no common way; the connect
+  // fails naming both, and tcp carries host memory (never silently).
+  peer_ = StartPeer({.size = 1 << 20, .seed = 3, .engine_options = {"shm.mode=staging"}});
+  ASSERT_TRUE(peer_);
+  engine_ = MakeEngine({{"shm.mode", "cma"}});
+  ASSERT_TRUE(engine_);
+  auto p = engine_->connect(ByteView(peer_->metadata));
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  auto routes = engine_->peer_transports(*p);
+  ASSERT_TRUE(routes.ok());
+  const auto* shm = Find(*routes, "shm");
+  ASSERT_TRUE(shm) << Describe(*routes);
+  EXPECT_FALSE(shm->connected) << Describe(*routes);
+  EXPECT_NE(shm->reason.find("shm.mode is staging on engine"), std::string::npos)
+      << Describe(*routes);
+  EXPECT_NE(shm->reason.find("and cma on engine"), std::string::npos) << Describe(*routes);
+  EXPECT_NE(Find(*routes, "tcp")->carries.find("host"), std::string::npos) << Describe(*routes);
+}
+
 TEST_F(SameHost, AnotherHostIdStandsForTwoHosts) {
   ASSERT_NO_FATAL_FAILURE(Connect(1 << 20, {{"engine.host_id", "rack7-node3"}}));
   const auto* shm = Find(routes_, "shm");
@@ -143,8 +210,7 @@ TEST_F(SameHost, AnotherHostIdStandsForTwoHosts) {
   EXPECT_FALSE(shm->connected) << Describe(routes_);
   EXPECT_NE(shm->reason.find("another host"), std::string::npos) << Describe(routes_);
   EXPECT_NE(shm->reason.find("rack7-node3"), std::string::npos) << Describe(routes_);
-  EXPECT_NE(Find(routes_, "tcp")->carries.find("host"), std::string::npos)
-      << Describe(routes_);
+  EXPECT_NE(Find(routes_, "tcp")->carries.find("host"), std::string::npos) << Describe(routes_);
   ASSERT_NO_FATAL_FAILURE(WriteReadScattered(64, 4096, 21));
 }
 
@@ -193,17 +259,46 @@ TEST(SameHostConfig, UnknownOrUnusableSelectionsAreErrors) {
       << unknown.status().to_string();
 }
 
-TEST_F(SameHost, CrossMemoryAttachRefusedFallsBackToTcpAndSaysWhy) {
+TEST_F(SameHost, CrossMemoryAttachRefusedRunsShmThroughSharedMemory) {
   // The peer runs as another user (nobody): it may not attach to this
-  // process, the kernel's ptrace check says so at the probe, and the engine
-  // takes tcp for host memory with that reason -- nothing silently slow.
+  // process, the kernel's ptrace check says so at the probe, and shm runs in
+  // staging mode -- host memory still goes over shm, and the connection says
+  // why it does not use cross-memory attach.
   if (geteuid() != 0) GTEST_SKIP() << "needs root to start the peer as another user";
   std::string out;
   auto check = ChildProcess::Spawn({"setpriv", "--help"}, &out, true);
   if (!check || !check->Wait(10s)) GTEST_SKIP() << "setpriv (util-linux) is not available";
   if (access(TestPeerPath().c_str(), X_OK) != 0) GTEST_SKIP() << "peer binary not executable";
   ASSERT_NO_FATAL_FAILURE(
-      Connect(1 << 20, {}, {"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"}));
+      Connect(16 << 20, {}, {"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"}));
+  const auto* shm = Find(routes_, "shm");
+  ASSERT_TRUE(shm) << Describe(routes_);
+  EXPECT_TRUE(shm->connected) << Describe(routes_);
+  EXPECT_EQ(shm->carries, "host memory") << Describe(routes_);
+  EXPECT_EQ(Find(routes_, "tcp")->carries.find("host"), std::string::npos) << Describe(routes_);
+  const std::string mode = ShmMode(*peer_);
+  if (mode.find("shared memory") == std::string::npos) {
+    GTEST_SKIP() << "the kernel let user 65534 attach to a root process here: " << mode;
+  }
+  EXPECT_NE(mode.find("shared memory (CMA refused: "), std::string::npos) << mode;
+  EXPECT_NE(mode.find("cross-memory attach"), std::string::npos) << mode;
+  EXPECT_NE(mode.find("EPERM"), std::string::npos) << mode;
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(1, (8 << 20) + 13, 31));
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(256, 4096, 32));
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(100000, 64, 33));
+}
+
+TEST_F(SameHost, CrossMemoryAttachRequiredButRefusedFallsBackToTcpAndSaysWhy) {
+  // The same refusal with shm.mode=cma: no staging, so the connection is not
+  // used and tcp carries host memory, with the kernel's reason.
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to start the peer as another user";
+  std::string out;
+  auto check = ChildProcess::Spawn({"setpriv", "--help"}, &out, true);
+  if (!check || !check->Wait(10s)) GTEST_SKIP() << "setpriv (util-linux) is not available";
+  if (access(TestPeerPath().c_str(), X_OK) != 0) GTEST_SKIP() << "peer binary not executable";
+  ASSERT_NO_FATAL_FAILURE(
+      Connect(1 << 20, {{"shm.mode", "cma"}},
+              {"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"}));
   const auto* shm = Find(routes_, "shm");
   ASSERT_TRUE(shm) << Describe(routes_);
   if (shm->connected) {
@@ -212,9 +307,8 @@ TEST_F(SameHost, CrossMemoryAttachRefusedFallsBackToTcpAndSaysWhy) {
   }
   EXPECT_NE(shm->reason.find("cross-memory attach"), std::string::npos) << Describe(routes_);
   EXPECT_NE(shm->reason.find("EPERM"), std::string::npos) << Describe(routes_);
-  EXPECT_NE(Find(routes_, "tcp")->carries.find("host"), std::string::npos)
-      << Describe(routes_);
-  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(256, 4096, 31));
+  EXPECT_NE(Find(routes_, "tcp")->carries.find("host"), std::string::npos) << Describe(routes_);
+  ASSERT_NO_FATAL_FAILURE(WriteReadScattered(256, 4096, 34));
 }
 
 }  // namespace

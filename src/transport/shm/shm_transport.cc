@@ -676,7 +676,9 @@ Result<HelloDone> ShmTransport::choose_mode(Connection& c, const HelloAck& ack,
   std::string refusal;  // why cross-memory attach is not used
   if (!forced_staging) {
     if (!ack.cma_refusal.empty()) {
-      refusal = fmt::format("the peer's probe of this process: {}", ack.cma_refusal);
+      std::string_view why = ack.cma_refusal;
+      if (why.starts_with("shm: ")) why.remove_prefix(5);
+      refusal = fmt::format("the peer's probe of this process: {}", why);
       if (forced_cma) return err::PermissionDenied(refusal);  // the peer should have refused
     } else if (Status p = probe(c.pid, ack.probe_address, ack.probe_value); !p.ok()) {
       if (forced_cma) return p;
@@ -1054,7 +1056,9 @@ Status ShmTransport::on_hello_done(Connection& c, ByteView body) {
     const std::string refusal =
         !c.cma_refusal.empty() || done->cma_refusal.empty()
             ? c.cma_refusal
-            : fmt::format("the peer's probe of this process: {}", done->cma_refusal);
+            : fmt::format("the peer's probe of this process: {}",
+                          std::string_view(done->cma_refusal)
+                              .substr(done->cma_refusal.starts_with("shm: ") ? 5 : 0));
     c.mode_text = staging_text(opt_.mode, c.peer_mode, refusal);
   } else {
     if (opt_.mode == Mode::kStaging || !c.cma_refusal.empty() || !c.rx_fds.empty()) {
