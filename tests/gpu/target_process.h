@@ -93,6 +93,9 @@ class TargetProcess {
   pid_t pid() const { return pid_; }
   // Kills the process (SIGKILL) and reaps it.
   void kill_now() {
+    if (to_) std::fclose(to_);
+    if (from_) std::fclose(from_);
+    to_ = from_ = nullptr;
     if (pid_ > 0) {
       ::kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);

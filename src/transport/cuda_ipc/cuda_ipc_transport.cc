@@ -36,6 +36,10 @@ const OptionSpec kCudaIpcOptionSpecs[] = {
      "a peer that does not drain its control socket for this long is declared dead", 100, 3600000},
     {"cuda_ipc.sm_budget", OptionType::kUint, "8",
      "most SMs the copy kernel for small blocks may occupy (0: copy engine only)", 0, 1024},
+    {"cuda_ipc.poll_linger_us", OptionType::kUint, "50",
+     "after the last copy in flight completed, the completion thread keeps polling this long "
+     "before it sleeps (a next copy is then noticed without a wake-up)",
+     0, 100000},
     {"cuda_ipc.kernel_max_block", OptionType::kBytes, "256KiB",
      "blocks smaller than this go through the copy kernel, larger ones to the copy engine", 0,
      1ull << 30},
@@ -121,6 +125,7 @@ Status CudaIpcTransport::read_options() {
   opt_.send_timeout = std::chrono::milliseconds(o.get_uint("cuda_ipc.send_timeout_ms"));
   opt_.sm_budget = static_cast<uint32_t>(o.get_uint("cuda_ipc.sm_budget"));
   opt_.kernel_max_block = o.get_uint("cuda_ipc.kernel_max_block");
+  opt_.poll_linger = std::chrono::microseconds(o.get_uint("cuda_ipc.poll_linger_us"));
   return Status::Ok();
 }
 
@@ -912,12 +917,13 @@ void CudaIpcTransport::wake_completion() {
 
 void CudaIpcTransport::completion_loop() {
   auto next_housekeeping = Clock::now();
+  auto linger_until = Clock::now();
   std::vector<InFlight> done;
   for (;;) {
     {
       std::unique_lock lock(completion_mu_);
       if (completion_stop_) return;
-      if (in_flight_.load() == 0 && revokes_.empty()) {
+      if (in_flight_.load() == 0 && revokes_.empty() && Clock::now() >= linger_until) {
         completion_cv_.wait_for(lock, std::chrono::milliseconds(50), [&] {
           return completion_stop_ || in_flight_.load() != 0 || !revokes_.empty();
         });
@@ -949,6 +955,7 @@ void CudaIpcTransport::completion_loop() {
         }
       }
     }
+    if (!done.empty() || in_flight_.load() != 0) linger_until = Clock::now() + opt_.poll_linger;
     for (InFlight& f : done) {
       in_flight_.fetch_sub(1);
       finish_group(f, Status::Ok());

@@ -60,6 +60,7 @@ struct CudaIpcOptions {
   std::chrono::milliseconds send_timeout{10000};
   uint32_t sm_budget = 8;
   uint64_t kernel_max_block = 256 << 10;
+  std::chrono::microseconds poll_linger{50};
 };
 
 // The descriptor a grant was made for: ops may use exactly this range/access.
