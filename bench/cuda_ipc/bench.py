@@ -255,7 +255,29 @@ class OneSided(Base):
         else:
             self.wait(self.post(self.slots(wl)[0]))
 
+    def registered(self, kind, register):
+        """Register each memory kind on its own: one refused kind fails only its cells."""
+        self.reg_errors = getattr(self, "reg_errors", {})
+        out = {}
+        refuse = os.environ.get("BENCH_CUDA_IPC_REFUSE", "")  # test hook: "pageable" fails that kind
+        for k, m in self.mem.items():
+            try:
+                if k in refuse.split(","):
+                    raise RuntimeError("refused by BENCH_CUDA_IPC_REFUSE (test hook)")
+                out[k] = register(m)
+            except Exception as e:
+                if self.role == "target":
+                    raise  # the target has its GPU buffer only
+                self.reg_errors[k] = f"{kind}: registering {k} memory failed: {type(e).__name__}: {e}"
+                traceback.print_exc()
+        return out
+
+    def check_kind(self, wl):
+        if wl["mem"] in getattr(self, "reg_errors", {}):
+            raise RuntimeError(self.reg_errors[wl["mem"]])
+
     def slots(self, wl):
+        self.check_kind(wl)
         if wl["key"] not in self.prepared:
             offs = np.arange(wl["batch"], dtype=np.uint64) * np.uint64(wl["block"])
             self.prepared[wl["key"]] = [self.prepare(wl, offs + np.uint64(k * wl["slot"]))
@@ -269,12 +291,12 @@ class FerryWorker(OneSided):
         import ferry
         self.ferry = ferry
         self.engine = ferry.Engine(options=dict(cfg["ferry_options"]) or None)
-        self.regions = {k: self.engine.register(m.obj) for k, m in self.mem.items()}
+        self.regions = self.registered("ferry", lambda m: self.engine.register(m.obj))
 
     def hello(self):
         h = super().hello()
         h.update(version=self.ferry.version(), engine_transports=self.engine.transports(),
-                 regions={k: r.kind for k, r in self.regions.items()})
+                 regions={k: r.kind for k, r in self.regions.items()}, reg_errors=self.reg_errors)
         if self.role == "target":
             h.update(meta=self.engine.metadata(), desc=self.regions["gpu"].advertise(access="rw"))
         return h
@@ -290,6 +312,7 @@ class FerryWorker(OneSided):
                                  remote_offsets=offs, lengths=wl["block"], async_=True)
 
     def blocking(self, wl):
+        self.check_kind(wl)
         call = self.peer.write_batch if wl["op"] == "write" else self.peer.read_batch
         offs = np.zeros(1, dtype=np.uint64)
         return functools.partial(call, self.regions[wl["mem"]], offs, self.desc,
@@ -324,13 +347,14 @@ class NixlWorker(OneSided):
                                 nixl_agent_config(enable_prog_thread=role == "target", backends=["UCX"]))
         if "UCX" not in self.agent.backends:
             raise RuntimeError(f"nixl: no UCX backend (plugins: {self.agent.plugin_list})")
-        for m in self.mem.values():
-            self.agent.register_memory([(m.ptr, m.nbytes, m.nixl_dev, "")], m.nixl_type)
+        self.registered("nixl", lambda m: self.agent.register_memory([(m.ptr, m.nbytes, m.nixl_dev, "")],
+                                                                      m.nixl_type))
 
     def hello(self):
         h = super().hello()
         h["version"] = next((f"{d} {v}" for d in ("nixl-cu13", "nixl-cu12", "nixl")
                              if (v := _version_of(d))), "nixl ?")
+        h["reg_errors"] = self.reg_errors
         if self.role == "target":
             m = self.mem["gpu"]
             h.update(meta=self.agent.get_agent_metadata(), base=m.ptr, dev=m.nixl_dev, type=m.nixl_type)
@@ -358,6 +382,7 @@ class NixlWorker(OneSided):
         return h
 
     def blocking(self, wl):
+        self.check_kind(wl)
         h = self.prepare(wl, np.zeros(1, dtype=np.uint64))
         return lambda: self.wait(self.post(h))
 
@@ -449,13 +474,18 @@ class NcclWorker(Base):
             b = wl["block"]
             ops = [[dist.P2POp(fn, v[i * b:(i + 1) * b], self.other) for i in range(wl["batch"])]
                    for v in views]
-        events = [self.T.cuda.Event() if self.gpu else _NoEvent() for _ in views]
+        # How far this rank may run ahead: DEPTH calls; in a blocking-latency run the receiving
+        # rank queues its receives far ahead, so that its own host round trip (wait, post again)
+        # is not part of the sender's latency.
+        window = 64 if wl["lat"] and not sender else len(views)
+        events = [self.T.cuda.Event() if self.gpu else _NoEvent() for _ in range(window)]
 
-        def post(k):
+        def post(i):
+            k = i % len(views)
             works = dist.batch_isend_irecv(ops[k]) if variant == "blocks" else [fn(views[k], self.other)]
             for w in works:
                 w.wait()  # NCCL: the current stream waits for NCCL's (gloo: the host waits)
-            events[k].record()
+            events[i % window].record()
         return post, events
 
     def _sync(self):
@@ -473,23 +503,23 @@ class NcclWorker(Base):
 
     def cmd_run(self, wl, variant, n):
         post, events = self._poster(wl, variant)
-        depth = len(events)
+        window = len(events)
         lat = wl["lat"] and self.role == "initiator"
         ns = np.empty(n, dtype=np.int64) if lat else None
         clock = time.perf_counter_ns
         self._sync()
         t0 = time.perf_counter()
         for i in range(n):
-            k = i % depth
-            if i >= depth:
-                events[k].synchronize()  # at most `depth` calls in flight
+            e = events[i % window]
+            if i >= window:
+                e.synchronize()  # at most `window` calls in flight
             if lat:
                 t = clock()
-                post(k)
-                events[k].synchronize()  # a blocking send: back when NCCL's kernel is done
+                post(i)
+                e.synchronize()  # a blocking send: back when NCCL's kernel is done
                 ns[i] = clock() - t
             else:
-                post(k)
+                post(i)
         self._cuda_sync()
         self._done()
         el = time.perf_counter() - t0
@@ -757,7 +787,10 @@ def main():
     commit = git("rev-parse", "--short", "HEAD") or os.environ.get("BENCH_COMMIT", "nogit")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "src", "include", "python"))
     env_info = {"host": platform.node(), "kernel": platform.release(), "nproc": os.cpu_count(),
-                "python": platform.python_version()}
+                "python": platform.python_version(),
+                "environment": {k: v for k, v in os.environ.items()
+                                if k.startswith(("FERRY_", "UCX_", "NIXL_", "NCCL_", "PYTORCH_CUDA_ALLOC",
+                                                 "CUDA_VISIBLE"))}}
 
     # --- GPUs ---------------------------------------------------------------------------
     not_run = {}
@@ -869,6 +902,13 @@ def main():
                          lat=False, slot=4096)
             try:
                 grp.hello = recv_all(grp.workers, 240)
+                refused = grp.hello.get("initiator", {}).get("reg_errors") or {}
+                for kind, why in refused.items():
+                    log(f"{g}: {why} (its cells will fail)")
+                ok_kinds = [k for k in init_sizes if k not in refused]
+                if not ok_kinds:
+                    raise WorkerError("; ".join(refused.values()))
+                probe["mem"] = ok_kinds[0]
                 if g in ("ferry", "ferry_tcp", "nixl"):
                     grp.transports = grp.workers["initiator"].call("connect", grp.hello["target"])
                     grp.workers["initiator"].call("once", probe, timeout=120)
@@ -897,7 +937,7 @@ def main():
         live = lambda c: c not in not_run and not groups[COLUMNS[c][0]].dead
 
         # --- the measurements: alternating, order rotated --------------------------------
-        calib = {}
+        calib, failed = {}, set()  # failed: (column, workload) cells not tried again
         t_reps = time.time()
         for rep in range(a.reps):
             if a.budget and rep > 0:
@@ -908,7 +948,7 @@ def main():
                     break
             reps_done = rep + 1
             for wi, wl in enumerate(wls):
-                todo = [c for c in cols if applicable(c, wl) and live(c)]
+                todo = [c for c in cols if applicable(c, wl) and live(c) and (c, wl["key"]) not in failed]
                 if not todo:
                     continue
                 k = (rep + wi) % len(todo)
@@ -921,6 +961,7 @@ def main():
                         res = measure(grp, g, variant, wl, a, calib)
                         bad = verify(grp, g, variant, wl, rep) if (rep == 0 and g in VERIFIED) else None
                     except WorkerError as e:
+                        failed.add((c, wl["key"]))
                         failures.append(f"{c} {wl['key']}: {e}")
                         log(f"rep {rep + 1}/{a.reps} {wl['name']} {c}: FAILED {e}")
                         continue
@@ -1004,7 +1045,10 @@ def main():
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"\nresults: {out}")
     png = Path(a.plot) if a.plot else out.with_suffix(".png")
-    print(plot(result, png))
+    try:
+        print(plot(result, png))
+    except Exception as e:  # a plot never fails the run
+        print(f"plot: failed ({type(e).__name__}: {e})")
     if a.keep_logs or failures or not_run:
         print(f"worker logs: {logdir}")
     else:
@@ -1214,6 +1258,10 @@ def plot(result, png):
             if field == "p50_us":
                 p99 = [med.get((w["key"], c), {}).get("p99_us") for w in ws]
                 ax.scatter([x for x, p in zip(xs, p99) if p], [p for p in p99 if p], marker="_", color="k", s=60)
+        if not any((med.get((w["key"], c), {}).get(field) or 0) > 0 for w in ws for c in cols):
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            continue
         ax.set_xticks(range(len(ws)))
         ax.set_xticklabels([w["name"].replace(" WRITE", "\nWRITE").replace(" READ", "\nREAD") for w in ws],
                            fontsize=7, rotation=20, ha="right")
