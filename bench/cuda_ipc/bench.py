@@ -753,7 +753,8 @@ def git(*a):
 
 
 def fmt_size(n):
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    return (f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n >= 2**20
+            else f"{n / 2**10:.0f} KiB")
 
 
 def main():
