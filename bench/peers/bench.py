@@ -22,6 +22,8 @@ ROOT = HERE.parent.parent
 ENGINES = {
     "Ferry": ("ferry", {}),
     "Ferry tcp": ("ferry", {"FERRY_ENGINE_TRANSPORTS": "tcp"}),
+    # shm's shared-memory staging mode, the path taken where cross-memory attach is refused
+    "Ferry staging": ("ferry", {"FERRY_SHM_MODE": "staging"}),
     "NIXL": ("nixl", {}),  # UCX picks (cross-memory attach on one host)
     "NIXL tcp": ("nixl", {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}),
     "Mooncake": ("mooncake", {}),  # tcp, P2PHANDSHAKE
@@ -33,7 +35,7 @@ QUIET = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "
 WORKLOADS = [("4KiB x 64", 4096, 64), ("64KiB x 8", 65536, 8), ("1MiB x 8", 1 << 20, 8),
              ("KV 298 x 1179648", 1179648, 298)]
 RATIOS = [("Ferry", "NIXL"), ("Ferry", "NIXL tcp"), ("Ferry", "Mooncake"), ("Ferry tcp", "NIXL tcp"),
-          ("Ferry", "memcpy")]
+          ("Ferry staging", "NIXL"), ("Ferry", "memcpy")]
 
 
 def call_driver(name, args, extra, timeout):

@@ -1120,32 +1120,87 @@ void ShmTransport::copy_out(Transfer& t, const Connection& c, std::span<const Co
   }
 }
 
-Result<uint64_t> ShmTransport::reserve_range(Connection& c, uint64_t bytes) {
-  const auto deadline = Clock::now() + opt_.send_timeout;
-  std::unique_lock lock(c.staging_mu);
-  for (;;) {
-    if (c.dead.load()) {
-      return err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(c)));
-    }
-    if (auto at = c.ring.allocate(bytes)) return *at;
-    if (c.staging_cv.wait_until(lock, deadline) == std::cv_status::timeout &&
-        Clock::now() >= deadline) {
-      if (c.dead.load()) continue;
-      if (auto at = c.ring.allocate(bytes)) return *at;
-      return err::Timeout(fmt::format(
-          "shm: {} answered none of the {} request(s) holding our {}-byte staging area for {} ms "
-          "(shm.send_timeout_ms)",
-          describe(c), c.ring.ranges(), c.own.size(), opt_.send_timeout.count()));
-    }
-  }
-}
-
 void ShmTransport::release_range(Connection& c, uint64_t offset) {
+  bool drain = false;
   {
     std::lock_guard lock(c.staging_mu);
     c.ring.release(offset);
+    if (!c.backlog.empty() && !c.draining && !c.dead.load()) {
+      c.draining = true;
+      drain = true;
+    }
   }
-  c.staging_cv.notify_all();
+  // A copy worker drains: the I/O thread must not copy megabytes or block
+  // on a send.
+  if (drain) {
+    Task task;
+    task.conn = c.shared_from_this();
+    task.drain = true;
+    submit(std::move(task));
+  }
+}
+
+Status ShmTransport::stage(const std::shared_ptr<Connection>& c, StagedRequest request) {
+  uint64_t at;
+  {
+    std::lock_guard lock(c->staging_mu);
+    if (c->dead.load()) {
+      return err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(*c)));
+    }
+    std::optional<uint64_t> range;
+    if (c->backlog.empty()) range = c->ring.allocate(request.bytes);
+    if (!range) {
+      // A range is in use (a request is never larger than the area), so its
+      // release starts the drain; or a drain runs already.
+      c->backlog.push_back(std::move(request));
+      return Status::Ok();
+    }
+    at = *range;
+  }
+  return send_staged(c, request, at);
+}
+
+Status ShmTransport::send_staged(const std::shared_ptr<Connection>& c, StagedRequest& request,
+                                 uint64_t at) {
+  for (WireSegment& w : request.segments) w.address += at;
+  for (CopyPiece& p : request.copies) p.remote += at;
+  Pending entry;
+  entry.range = at;
+  std::span<const CopyPiece> copy_in;
+  if (request.op == Op::kReadReq) {
+    entry.copy_out = std::move(request.copies);
+  } else {
+    copy_in = request.copies;
+  }
+  const uint64_t id = next_request_id_.fetch_add(1);
+  return send_request(c, request.transfer, id,
+                      encode_request(request.op, id, request.segments, request.embed_notification,
+                                     request.notification, /*staged=*/true),
+                      std::move(entry), copy_in);
+}
+
+void ShmTransport::drain_backlog(const std::shared_ptr<Connection>& c) {
+  for (;;) {
+    StagedRequest request;
+    uint64_t at;
+    {
+      std::lock_guard lock(c->staging_mu);
+      std::optional<uint64_t> range;
+      if (!c->dead.load() && !c->backlog.empty()) {
+        range = c->ring.allocate(c->backlog.front().bytes);
+      }
+      if (!range) {
+        c->draining = false;  // a later release starts the next drain
+        return;
+      }
+      at = *range;
+      request = std::move(c->backlog.front());
+      c->backlog.pop_front();
+    }
+    // A failed send fails the connection and with it the transfer; a
+    // cancelled transfer sends nothing.
+    (void)send_staged(c, request, at);
+  }
 }
 
 // ------------------------------------------------------ target: copy work ---
@@ -1169,7 +1224,9 @@ void ShmTransport::worker_loop(int index) {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
-    if (!task.response.empty()) {
+    if (task.drain) {
+      drain_backlog(task.conn);
+    } else if (!task.response.empty()) {
       if (Status st = send_frame(*task.conn, task.response); !st.ok()) {
         fail_connection(*task.conn, st);
       }
@@ -1441,26 +1498,21 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
       },
       [&] {
         if (stop) return;
-        const uint64_t id = next_request_id_.fetch_add(1);
-        Pending entry;
+        Status s;
         if (staged) {
-          auto range = reserve_range(**conn, staged_bytes);
-          if (!range.ok()) {
-            stop = true;
-            result = range.status();
-            if (range.status().code() == StatusCode::kTimeout) fail_connection(**conn, result);
-            return;
-          }
-          for (WireSegment& w : current) w.address += *range;
-          for (CopyPiece& p : copies) p.remote += *range;
-          entry.range = *range;
-          if (op == Op::kReadReq) entry.copy_out = copies;
+          StagedRequest request;
+          request.transfer = t;
+          request.op = op;
+          request.segments = std::move(current);
+          request.copies = std::move(copies);
+          request.bytes = staged_bytes;
+          request.embed_notification = embed;
+          request.notification = note;
+          s = stage(*conn, std::move(request));
+        } else {
+          const uint64_t id = next_request_id_.fetch_add(1);
+          s = send_request(*conn, t, id, encode_request(op, id, current, embed, note));
         }
-        const std::span<const CopyPiece> copy_in = staged && op == Op::kWriteReq
-                                                       ? std::span<const CopyPiece>(copies)
-                                                       : std::span<const CopyPiece>();
-        Status s = send_request(*conn, t, id, encode_request(op, id, current, embed, note, staged),
-                                std::move(entry), copy_in);
         current.clear();
         copies.clear();
         staged_bytes = 0;
@@ -1569,6 +1621,12 @@ void ShmTransport::cancel(Transfer& t) {
       if (c->peer == t.peer()) conns.push_back(c);
     }
   }
+  // Staged requests not sent yet never will be: drop them (and with them
+  // the pointers into the caller's memory).
+  for (auto& c : conns) {
+    std::lock_guard lock(c->staging_mu);
+    std::erase_if(c->backlog, [&](const StagedRequest& r) { return r.transfer.get() == &t; });
+  }
   // The peer copies into or out of our memory until it answers. Tell it to
   // skip what it has not started, then wait for every request already sent,
   // bounded by shm.cancel_timeout_ms.
@@ -1587,6 +1645,11 @@ void ShmTransport::cancel(Transfer& t) {
   }
   const auto deadline = Clock::now() + opt_.cancel_timeout;
   for (auto& c : conns) {
+    // Staging: the peer copies only into and out of our area, never into
+    // the caller's memory; our own copies check `cancelled` under io_mu. So
+    // nothing to wait for, and a stalled peer keeps its connection: its late
+    // answers only give the ranges back.
+    if (c->staged) continue;
     std::unique_lock lock(c->mu);
     const bool idle = c->idle_cv.wait_until(
         lock, deadline, [&] { return c->dead.load() || c->in_flight.count(&t) == 0; });
@@ -1639,12 +1702,11 @@ void ShmTransport::fail_connection(Connection& c, const Status& reason, bool ver
     established = c.established;
   }
   c.idle_cv.notify_all();
+  std::deque<StagedRequest> backlog;  // staged requests never sent
   {
-    // Initiators waiting for staging space see `dead` now (the lock orders
-    // their check before this wake-up).
     std::lock_guard lock(c.staging_mu);
+    backlog.swap(c.backlog);
   }
-  c.staging_cv.notify_all();
   // Wakes the I/O thread (EPOLLHUP) to drop it and any sender blocked on it;
   // the descriptor itself closes with the last reference.
   ::shutdown(c.fd, SHUT_RDWR);
@@ -1693,6 +1755,14 @@ void ShmTransport::fail_connection(Connection& c, const Status& reason, bool ver
       cancelled = t->cancelled;
     }
     if (!cancelled) fail_transfer(*t, status);
+  }
+  for (StagedRequest& r : backlog) {
+    bool cancelled;
+    {
+      std::lock_guard io(r.transfer->io_mu);
+      cancelled = r.transfer->cancelled;
+    }
+    if (!cancelled) fail_transfer(*r.transfer, status);
   }
 }
 

@@ -82,6 +82,18 @@ struct Pending {
   std::vector<CopyPiece> copy_out;
 };
 
+// A staged request not sent yet: it waits for a range of our area. Its
+// segments' addresses and its copies' offsets are relative to the range.
+struct StagedRequest {
+  std::shared_ptr<Transfer> transfer;
+  Op op = Op::kWriteReq;
+  std::vector<WireSegment> segments;
+  std::vector<CopyPiece> copies;  // local: the caller's memory; remote: offset in the range
+  uint64_t bytes = 0;
+  bool embed_notification = false;
+  Bytes notification;
+};
+
 struct Connection : std::enable_shared_from_this<Connection> {
   ~Connection();
 
@@ -102,9 +114,14 @@ struct Connection : std::enable_shared_from_this<Connection> {
   std::string mode_text;  // for logs and peer_address()
   StagingArea own;        // staging: the bytes of our requests; we hand out its ranges
   StagingArea theirs;     // staging: the bytes of the peer's requests (offsets checked)
+  // Under staging_mu: the ranges of `own` in use, the requests waiting for
+  // one (in order), and whether a copy worker is draining them. Invariant:
+  // while the backlog is not empty a range is in use (its release drains)
+  // or a drain is under way.
   std::mutex staging_mu;
-  std::condition_variable staging_cv;  // a range of `own` came back, or dead
-  StagingRing ring;                    // ranges of `own` in use; under staging_mu
+  StagingRing ring;
+  std::deque<StagedRequest> backlog;
+  bool draining = false;
 
   // One frame at a time on the socket (initiators and copy workers).
   std::mutex send_mu;
@@ -132,7 +149,8 @@ struct Task {
   std::shared_ptr<Connection> conn;
   Request request;
   std::shared_ptr<Transfer> notify_for;
-  Bytes response;  // set: only send this frame (the I/O thread could not)
+  Bytes response;      // set: only send this frame (the I/O thread could not)
+  bool drain = false;  // set: send the connection's staged requests that now fit
 };
 
 class ShmTransport final : public Transport {
@@ -216,9 +234,14 @@ class ShmTransport final : public Transport {
   Status send_request(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t,
                       uint64_t id, const Bytes& frame, Pending entry = {},
                       std::span<const CopyPiece> copy_in = {});
-  // A range of `bytes` in our staging area, waiting (at most
-  // shm.send_timeout_ms) while requests in flight hold it all.
-  Result<uint64_t> reserve_range(Connection& c, uint64_t bytes);
+  // Staging: sends `request` now if a range of our area is free and none
+  // waits before it, else queues it (post never waits for the peer).
+  Status stage(const std::shared_ptr<Connection>& c, StagedRequest request);
+  // Copies a staged request's bytes into range `at` (writes) and sends it.
+  Status send_staged(const std::shared_ptr<Connection>& c, StagedRequest& request, uint64_t at);
+  // A copy worker: sends queued requests while ranges are free.
+  void drain_backlog(const std::shared_ptr<Connection>& c);
+  // Gives a range back; starts a drain if requests wait for one.
   void release_range(Connection& c, uint64_t offset);
   // A staged read's bytes, from our area to their destinations, unless the
   // transfer was cancelled or failed.
