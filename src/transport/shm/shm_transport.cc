@@ -50,9 +50,7 @@ const OptionSpec kShmOptionSpecs[] = {
      "copy); then the connection is shut down",
      1, 3600000},
     {"shm.send_timeout_ms", OptionType::kDurationMs, "10000",
-     "a peer that does not drain its control socket (or, in staging mode, give back staging "
-     "space by answering) for this long is declared dead",
-     100, 3600000},
+     "a peer that does not drain its control socket for this long is declared dead", 100, 3600000},
     {"shm.mode", OptionType::kString, "auto",
      "how bytes move between the two processes: auto (cross-memory attach when the probe at "
      "connect succeeds both ways, else shared-memory staging), cma (cross-memory attach only; a "
@@ -457,6 +455,7 @@ void ShmTransport::shutdown(const Status& reason) {
   }
   for (auto& task : left) {
     if (task.notify_for) fail_transfer(*task.notify_for, reason);
+    if (task.answered.transfer) fail_transfer(*task.answered.transfer, reason);
   }
   {
     std::lock_guard lock(mu_);
@@ -1102,12 +1101,27 @@ Status ShmTransport::on_response(Connection& c, ByteView body) {
     t->note_error(Status(response->status.code(),
                          fmt::format("{} (from {})", response->status.message(), describe(c))));
   } else if (!p.copy_out.empty()) {
+    uint64_t bytes = 0;
+    for (const CopyPiece& piece : p.copy_out) bytes += piece.length;
+    if (bytes > opt_.inline_bytes) {
+      // Large: a copy thread copies it out, so the I/O thread keeps
+      // reading and several answers are copied out at once.
+      Task task;
+      task.conn = c.shared_from_this();
+      task.answered = std::move(p);
+      submit(std::move(task));
+      return Status::Ok();
+    }
     copy_out(*t, c, p.copy_out);
   }
+  finish_answer(c, p);
+  return Status::Ok();
+}
+
+void ShmTransport::finish_answer(Connection& c, const Pending& p) {
   // Answered (and a read's bytes taken): the target is done with the range.
   if (p.range != kNoRange) release_range(c, p.range);
-  if (t->outstanding.fetch_sub(1) == 1) finish(c.shared_from_this(), t);
-  return Status::Ok();
+  if (p.transfer->outstanding.fetch_sub(1) == 1) finish(c.shared_from_this(), p.transfer);
 }
 
 void ShmTransport::copy_out(Transfer& t, const Connection& c, std::span<const CopyPiece> pieces) {
@@ -1226,6 +1240,9 @@ void ShmTransport::worker_loop(int index) {
     }
     if (task.drain) {
       drain_backlog(task.conn);
+    } else if (task.answered.transfer) {
+      copy_out(*task.answered.transfer, *task.conn, task.answered.copy_out);
+      finish_answer(*task.conn, task.answered);
     } else if (!task.response.empty()) {
       if (Status st = send_frame(*task.conn, task.response); !st.ok()) {
         fail_connection(*task.conn, st);

@@ -151,6 +151,9 @@ struct Task {
   std::shared_ptr<Transfer> notify_for;
   Bytes response;      // set: only send this frame (the I/O thread could not)
   bool drain = false;  // set: send the connection's staged requests that now fit
+  // Set (range != kNoRange): a staged read was answered; copy its bytes out
+  // of our area, give the range back and count the answer.
+  Pending answered;
 };
 
 class ShmTransport final : public Transport {
@@ -246,6 +249,9 @@ class ShmTransport final : public Transport {
   // A staged read's bytes, from our area to their destinations, unless the
   // transfer was cancelled or failed.
   void copy_out(Transfer& t, const Connection& c, std::span<const CopyPiece> pieces);
+  // After an answer (and a staged read's copy out): the range back, the
+  // transfer's count down, and its completion after the last.
+  void finish_answer(Connection& c, const Pending& p);
   // After the last response of `t`: the write's notification, or completion.
   void finish(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t);
 
