@@ -47,6 +47,18 @@ struct CopyOptions {
   bool use_batch_api = true;
 };
 
+// How CopyStream::submit learns what memory a block's pointers name.
+enum class BlockCheck : uint8_t {
+  // Asks the driver (one query per allocation per call, about 1 us each) and
+  // refuses what the kernel path cannot reach (pageable host memory).
+  kClassify,
+  // The caller vouches that every pointer is device memory of the stream's
+  // GPU, or memory mapped into it (IPC), so its address is the device
+  // address: nothing is queried. For callers that know, like the cuda_ipc
+  // transport, whose latency the queries would dominate.
+  kDeviceMemory,
+};
+
 // What a CopyStream did so far (for tests, benchmarks, ferry-info).
 struct CopyStreamStats {
   uint64_t batches = 0;          // submit() calls that enqueued work
@@ -83,7 +95,8 @@ class CopyStream {
   // batch starts copying at once): kernel-path blocks before the bad one may
   // have been copied when the call returns (those copies have finished then);
   // nothing from the bad block on, and no copy-engine block, is copied.
-  Result<uint64_t> submit(std::span<const CopyBlock> blocks);
+  Result<uint64_t> submit(std::span<const CopyBlock> blocks,
+                          BlockCheck check = BlockCheck::kClassify);
 
   // Ok once the batch is done, InProgress while it runs, the error if the
   // stream failed, InvalidArgument for a ticket never issued.

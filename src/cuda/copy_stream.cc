@@ -326,10 +326,12 @@ struct CopyStream::Impl {
     return why;
   }
 
-  Result<uint64_t> submit(std::span<const CopyBlock> blocks, const CopyOptions& o);
+  Result<uint64_t> submit(std::span<const CopyBlock> blocks, const CopyOptions& o,
+                          BlockCheck check = BlockCheck::kClassify);
 };
 
-Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, const CopyOptions& o) {
+Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, const CopyOptions& o,
+                                          BlockCheck check) {
   std::lock_guard<std::mutex> lock(mu);
   cuda::DeviceGuard g(device);
   if (g.status() != cudaSuccess) return cuda_status(g.status(), "cudaSetDevice");
@@ -446,7 +448,12 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
     if (to_kernel && knobs.ce_every != 0 && ++ce_tick % knobs.ce_every == 0) to_kernel = false;
     uint64_t dst_dev = 0, src_dev = 0;
     bool src_host = false;
-    if (to_kernel) {
+    if (to_kernel && check == BlockCheck::kDeviceMemory) {
+      // The caller vouches: device memory of this GPU (or mapped into it),
+      // whose UVA address is the device address.
+      dst_dev = reinterpret_cast<uint64_t>(b.dst);
+      src_dev = reinterpret_cast<uint64_t>(b.src);
+    } else if (to_kernel) {
       for (int side = 0; side < 2 && to_kernel; ++side) {
         const void* p = side == 0 ? static_cast<const void*>(b.dst) : b.src;
         const char* name = side == 0 ? "dst" : "src";
@@ -565,8 +572,8 @@ Result<std::unique_ptr<CopyStream>> CopyStream::create(int device, CopyOptions o
   return std::unique_ptr<CopyStream>(new CopyStream(std::move(impl)));
 }
 
-Result<uint64_t> CopyStream::submit(std::span<const CopyBlock> blocks) {
-  return impl_->submit(blocks, impl_->opts);
+Result<uint64_t> CopyStream::submit(std::span<const CopyBlock> blocks, BlockCheck check) {
+  return impl_->submit(blocks, impl_->opts, check);
 }
 
 Status CopyStream::poll(uint64_t ticket) {

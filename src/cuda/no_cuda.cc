@@ -43,7 +43,7 @@ Result<std::unique_ptr<CopyStream>> CopyStream::create(int, CopyOptions) {
 }
 
 // Unreachable (no CopyStream can be created), but defined for the linker.
-Result<uint64_t> CopyStream::submit(std::span<const CopyBlock>) {
+Result<uint64_t> CopyStream::submit(std::span<const CopyBlock>, BlockCheck) {
   return err::NotSupported(kReason);
 }
 Status CopyStream::poll(uint64_t) {

@@ -324,7 +324,10 @@ TEST_F(CudaIpc, ManyInFlightFromSeveralThreads) {
         l.push_back({static_cast<uint8_t*>(gpu_) + t * quarter + o, 4096});
         r.push_back({&d, t * quarter + o, 4096});
       }
-      for (int k = 0; k < 20; ++k) EXPECT_TRUE(engine_->write(peer_, l, r).ok());
+      for (int k = 0; k < 20; ++k) {
+        Status s = engine_->write(peer_, l, r);
+        EXPECT_TRUE(s.ok()) << s.to_string();
+      }
     });
   }
   for (auto& th : threads) th.join();

@@ -712,7 +712,12 @@ Status CudaIpcTransport::acquire_grants(const std::shared_ptr<Connection>& c,
     }
     if (missing.empty()) return Status::Ok();
     if (round == 1) break;
+    std::lock_guard grant_lock(c->grant_mu);
     for (const GrantKey& k : missing) {
+      {
+        std::lock_guard lock(c->mu);
+        if (c->grants.count(k) != 0) continue;  // another thread got it meanwhile
+      }
       auto g = request_grant(c, k);
       if (!g.ok()) {
         release_grants(*c, *used);
@@ -766,6 +771,9 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
   struct Group {
     StreamSlot* slot = nullptr;
     std::vector<CopyBlock> blocks;
+    // Both sides device memory of the slot's GPU: the copy stream need not
+    // ask the driver what the pointers are.
+    bool device_only = true;
   };
   std::vector<Group> groups;
   uint64_t host_lo = 0, host_hi = 0;
@@ -802,9 +810,11 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
         release_grants(**c, used);
         return slot.status();
       }
-      groups.push_back({*slot, {}});
+      groups.push_back({*slot, {}, true});
       group = &groups.back();
     }
+    group->device_only =
+        group->device_only && s.local_device == device && g->mapping->device() == device;
     group->blocks.push_back(write ? CopyBlock{remote, s.local, s.length}
                                   : CopyBlock{s.local, remote, s.length});
   }
@@ -820,7 +830,8 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
       for (const auto& g : held) ++g->in_flight;
     }
     std::lock_guard lock(slot.mu);
-    auto ticket = slot.stream->submit(group.blocks);
+    auto ticket = slot.stream->submit(
+        group.blocks, group.device_only ? BlockCheck::kDeviceMemory : BlockCheck::kClassify);
     if (!ticket.ok()) {
       // Groups already submitted finish on their own and report this error;
       // this one and the ones after it never run (and hold no grants).

@@ -96,7 +96,9 @@ struct Connection : std::enable_shared_from_this<Connection> {
   };
   std::unordered_map<RegionId, Exported> exported;
 
-  // Importer state.
+  // Importer state. grant_mu serialises asking for and mapping grants, so
+  // two threads never map one allocation twice.
+  std::mutex grant_mu;
   std::mutex mu;
   std::condition_variable cv;  // a grant answer arrived, or the connection died
   std::string dead_reason;     // under mu
