@@ -62,7 +62,8 @@ bool setup(Side& s, const std::string& transports, void* local) {
   if (a.rfind("desc ", 0) != 0) return false;
   s.desc = RemoteDescriptor::from_bytes(gputest::unhex(a.substr(5, a.find(' ', 5) - 5))).value();
   if (!s.engine->register_memory(local, kLocal).ok()) return false;
-  for (const auto& t : s.engine->peer_transports(s.peer).value()) {
+  const auto routes = s.engine->peer_transports(s.peer);  // kept: the loop reads into it
+  for (const auto& t : routes.value()) {
     if (t.carries.find("peer GPU") != std::string::npos) s.carrier = t.transport;
   }
   return true;

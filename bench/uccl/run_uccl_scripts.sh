@@ -53,15 +53,19 @@ note() { printf '%s\n' "$*" | tee -a "$SUMMARY"; }
 
 probe=$("$PYTHON" - <<'PY' 2>&1
 import sys
+# torch first, as UCCL's scripts import it
+try:
+    import torch
+except Exception as e:
+    torch = None
+    torch_error = repr(e)
 try:
     import uccl.p2p as p, ferry
     print("ferry", ferry.__file__, "compat", p.__file__)
 except Exception as e:
     print("NOFERRY", repr(e)); sys.exit(0)
-try:
-    import torch
-except Exception as e:
-    print("NOTORCH", repr(e)); sys.exit(0)
+if torch is None:
+    print("NOTORCH", torch_error); sys.exit(0)
 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
 print("TORCH", torch.__version__, "GPUS", n)
 PY
