@@ -328,9 +328,12 @@ TEST_P(ShmTransportTest, PeerShutdownFailsInFlightAndReportsDown) {
 }
 
 TEST_P(ShmTransportTest, CancelReturnsOnceAnswered) {
+  // Declared first, destroyed last: in staging mode cancel() does not wait
+  // for the target, which may still copy from its area into `dst` (its own
+  // region, which an engine would deregister, waiting for the copy).
+  Buffer src(8 << 20, 1), dst(8 << 20, 2);
   Side a, b;
   join(a, b);
-  Buffer src(8 << 20, 1), dst(8 << 20, 2);
   RemoteDescriptor d = advertise(b, dst.bytes, kAccessWrite);
   auto w = std::make_shared<Transfer>(1, TransferOp::kWrite, b.id);
   ASSERT_TRUE(a.transport.post_write(b.id, w, {seg(src.bytes.data(), 8 << 20, d, 0)}).ok());
@@ -520,11 +523,12 @@ TEST_F(ShmStagingTest, SmallAreaPipelinesLargeScatteredTransfers) {
 }
 
 TEST_F(ShmStagingTest, CancelledReadCopiesNothingOut) {
+  const size_t n = 32 << 20;
+  // Before the sides: b's copy threads may still read `src` after cancel().
+  std::vector<uint8_t> src = random_bytes(n), dst(n, 0);
   const Options options{{"shm.mode", "staging"}, {"shm.staging_bytes", "1MiB"}};
   Side a(options), b(options);
   connect_sides(a, b);
-  const size_t n = 32 << 20;
-  std::vector<uint8_t> src = random_bytes(n), dst(n, 0);
   RemoteDescriptor d = advertise(b, src, kAccessRead);
   auto r = std::make_shared<Transfer>(1, TransferOp::kRead, b.id);
   std::thread poster([&] { (void)a.transport.post_read(b.id, r, {seg(dst.data(), n, d, 0)}); });

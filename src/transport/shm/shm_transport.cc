@@ -1154,23 +1154,42 @@ void ShmTransport::release_range(Connection& c, uint64_t offset) {
   }
 }
 
-Status ShmTransport::stage(const std::shared_ptr<Connection>& c, StagedRequest request) {
-  uint64_t at;
+Status ShmTransport::stage(const std::shared_ptr<Connection>& c, StagedRequest request,
+                           uint64_t* budget) {
+  uint64_t at = 0;
+  bool queued = false;
+  bool drain = false;
   {
     std::lock_guard lock(c->staging_mu);
     if (c->dead.load()) {
       return err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(*c)));
     }
     std::optional<uint64_t> range;
-    if (c->backlog.empty()) range = c->ring.allocate(request.bytes);
+    if (c->backlog.empty() && request.bytes <= *budget) range = c->ring.allocate(request.bytes);
     if (!range) {
-      // A range is in use (a request is never larger than the area), so its
-      // release starts the drain; or a drain runs already.
+      // The rest of this post queues too (the caller's thread copies one
+      // area's worth at most, and requests stay in order).
+      *budget = 0;
       c->backlog.push_back(std::move(request));
-      return Status::Ok();
+      queued = true;
+      // A release starts the drain while a range is in use; else (answers
+      // came back meanwhile) nobody would: start it here.
+      if (!c->draining) {
+        c->draining = true;
+        drain = true;
+      }
+    } else {
+      at = *range;
+      *budget -= request.bytes;
     }
-    at = *range;
   }
+  if (drain) {
+    Task task;
+    task.conn = c;
+    task.drain = true;
+    submit(std::move(task));
+  }
+  if (queued) return Status::Ok();
   return send_staged(c, request, at);
 }
 
@@ -1493,6 +1512,7 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
   // into (write) or out of (read) our area.
   uint64_t staged_bytes = 0;
   std::vector<CopyPiece> copies;
+  uint64_t direct_budget = staged ? (*conn)->own.size() : 0;  // bytes this thread may copy
   Status result;
   bool stop = false;
   cut_requests(
@@ -1525,7 +1545,7 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
           request.bytes = staged_bytes;
           request.embed_notification = embed;
           request.notification = note;
-          s = stage(*conn, std::move(request));
+          s = stage(*conn, std::move(request), &direct_budget);
         } else {
           const uint64_t id = next_request_id_.fetch_add(1);
           s = send_request(*conn, t, id, encode_request(op, id, current, embed, note));

@@ -237,9 +237,12 @@ class ShmTransport final : public Transport {
   Status send_request(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t,
                       uint64_t id, const Bytes& frame, Pending entry = {},
                       std::span<const CopyPiece> copy_in = {});
-  // Staging: sends `request` now if a range of our area is free and none
-  // waits before it, else queues it (post never waits for the peer).
-  Status stage(const std::shared_ptr<Connection>& c, StagedRequest request);
+  // Staging: sends `request` now if a range of our area is free, none waits
+  // before it and `*budget` (the bytes the posting thread may still copy,
+  // one area's worth per post) allows; else queues it for a copy thread and
+  // zeroes the budget. post() never waits for the peer, nor copies more
+  // than an area's worth itself.
+  Status stage(const std::shared_ptr<Connection>& c, StagedRequest request, uint64_t* budget);
   // Copies a staged request's bytes into range `at` (writes) and sends it.
   Status send_staged(const std::shared_ptr<Connection>& c, StagedRequest& request, uint64_t at);
   // A copy worker: sends queued requests while ranges are free.
