@@ -129,8 +129,10 @@ bool verify(Side& s, uint8_t* local, uint64_t bytes) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   int iters = 2000;
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], "--iters") == 0) iters = std::atoi(argv[++i]);
+  bool latency_only = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = std::atoi(argv[++i]);
+    if (std::strcmp(argv[i], "--latency-only") == 0) latency_only = true;
   }
   if (cudaSetDevice(0) != cudaSuccess) {
     std::printf("no CUDA device\n");
@@ -185,6 +187,7 @@ int main(int argc, char** argv) {
     std::printf("%-34s %14.1f %14.1f %14.1f %14.1f %8.1fx\n", (std::to_string(b) + " B").c_str(),
                 a.first, t.first, a.second, raw_latency(b), t.first / a.first);
   }
+  if (latency_only) return 0;
   std::printf("\n%-34s %10s %10s %10s %9s %9s\n", "throughput (GB/s)", "cuda_ipc", "tcp", "contig",
               "ipc/cont", "ipc/tcp");
   struct W {

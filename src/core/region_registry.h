@@ -90,7 +90,9 @@ class RegionRegistry {
  private:
   mutable std::shared_mutex mu_;
   std::unordered_map<RegionId, std::shared_ptr<Region>> by_id_;
-  std::map<uintptr_t, std::shared_ptr<Region>> by_address_;  // base → region
+  // base → region; a multimap: one buffer may be registered more than once,
+  // and a freed-and-reused one again before its old registration goes.
+  std::multimap<uintptr_t, std::shared_ptr<Region>> by_address_;
   RegionId next_id_ = 1;
 };
 

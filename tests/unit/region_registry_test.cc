@@ -135,6 +135,27 @@ TEST_F(RegionRegistryTest, AddFindRemove) {
   EXPECT_TRUE(NamesRegion(again, region_.id));
 }
 
+// A caching allocator hands the same address out again: the buffer is
+// registered anew (longer) while its old, shorter registration still stands.
+// Both must be findable, each removable on its own.
+TEST_F(RegionRegistryTest, SameBaseRegisteredTwiceWithDifferentLengths) {
+  auto shorter = reg_.add(buf_.data(), 16);
+  ASSERT_TRUE(shorter.ok());
+  auto longer = reg_.add(buf_.data(), kSize);  // region_ covers the same; a third one
+  ASSERT_TRUE(longer.ok());
+  ASSERT_TRUE(reg_.remove(region_.id).ok());
+  auto found = reg_.find_local(buf_.data(), 32);
+  ASSERT_TRUE(found.ok()) << found.status().to_string();
+  EXPECT_EQ(found->id, longer->id);
+  ASSERT_TRUE(reg_.remove(longer->id).ok());
+  EXPECT_EQ(reg_.find_local(buf_.data(), 32).status().code(), StatusCode::kNotFound);
+  auto small = reg_.find_local(buf_.data(), 16);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(small->id, shorter->id);
+  ASSERT_TRUE(reg_.remove(shorter->id).ok());
+  EXPECT_EQ(reg_.size(), 0u);
+}
+
 TEST_F(RegionRegistryTest, RejectsNullAndEmpty) {
   EXPECT_EQ(reg_.add(nullptr, 16).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(reg_.add(buf_.data(), 0).status().code(), StatusCode::kInvalidArgument);

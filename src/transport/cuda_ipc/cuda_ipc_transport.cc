@@ -40,6 +40,10 @@ const OptionSpec kCudaIpcOptionSpecs[] = {
      "after the last copy in flight completed, the completion thread keeps polling this long "
      "before it sleeps (a next copy is then noticed without a wake-up)",
      0, 100000},
+    {"cuda_ipc.engine_max_blocks", OptionType::kUint, "1",
+     "calls of at most this many blocks go to the copy engine (cudaMemcpyAsync) rather than the "
+     "copy kernel: for a single small block that is lower latency than a kernel launch",
+     0, 1024},
     {"cuda_ipc.kernel_max_block", OptionType::kBytes, "256KiB",
      "blocks smaller than this go through the copy kernel, larger ones to the copy engine", 0,
      1ull << 30},
@@ -125,6 +129,7 @@ Status CudaIpcTransport::read_options() {
   opt_.send_timeout = std::chrono::milliseconds(o.get_uint("cuda_ipc.send_timeout_ms"));
   opt_.sm_budget = static_cast<uint32_t>(o.get_uint("cuda_ipc.sm_budget"));
   opt_.kernel_max_block = o.get_uint("cuda_ipc.kernel_max_block");
+  opt_.engine_max_blocks = static_cast<uint32_t>(o.get_uint("cuda_ipc.engine_max_blocks"));
   opt_.poll_linger = std::chrono::microseconds(o.get_uint("cuda_ipc.poll_linger_us"));
   return Status::Ok();
 }
@@ -783,7 +788,7 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     ImportedGrant* g = grant_of[i];
     uint8_t* remote = g->address + s.remote.offset;
     int device = s.local_device;
-    bool engine_only = false;
+    bool engine_only = segments.size() <= opt_.engine_max_blocks;
     if (device < 0) {
       device = g->mapping->device();
       const auto a = reinterpret_cast<uint64_t>(s.local);
@@ -793,7 +798,7 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
         host_lo = info.ok() && info->size != 0 ? info->base : a;
         host_hi = info.ok() && info->size != 0 ? info->base + info->size : a + s.length;
       }
-      engine_only = host_pageable;
+      engine_only = engine_only || host_pageable;
     } else if (device != g->mapping->device()) {
       if (Status st = ensure_peer_access(device, g->mapping->device()); !st.ok()) {
         release_grants(**c, used);

@@ -61,6 +61,7 @@ struct CudaIpcOptions {
   uint32_t sm_budget = 8;
   uint64_t kernel_max_block = 256 << 10;
   std::chrono::microseconds poll_linger{50};
+  uint32_t engine_max_blocks = 1;
 };
 
 // The descriptor a grant was made for: ops may use exactly this range/access.
