@@ -58,12 +58,17 @@ struct TransportInfo {
 struct PeerTransportInfo {
   std::string transport;
   bool connected = false;
-  // What this transport carries to the peer: "host memory", "GPU memory",
-  // "host and GPU memory", or "" when another transport is chosen for both.
+  // What this transport carries to the peer, a comma list of routes: "host
+  // memory", "peer GPU memory", "local GPU with peer host memory"; "" when
+  // other transports carry all of them.
   std::string carries;
   // Why it carries nothing, or less than it could (not connected: the failed
   // connect's message; another host; a transport preferred to it).
   std::string reason;
+  // Connected: how it reaches the peer, as the transport says -- its address
+  // and, where a transport has several ways, which one and why (shm: "...,
+  // shared memory (CMA refused: ...)").
+  std::string via;
 };
 
 class Engine {

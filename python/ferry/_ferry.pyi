@@ -291,7 +291,7 @@ class Engine:
 
     def peer_transports(self, peer_id: int) -> list:
         """
-        How this engine reaches a peer, one entry per running transport: [{'transport', 'connected', 'carries', 'reason'}] (carries: 'host memory', 'GPU memory', 'host and GPU memory' or ''; reason: why it carries nothing or less).
+        How this engine reaches a peer, one entry per running transport: [{'transport', 'connected', 'carries', 'reason', 'via'}] (carries: a comma list of 'host memory', 'peer GPU memory', 'local GPU with peer host memory', or ''; reason: why it carries nothing or less; via: how a connected transport reaches the peer, e.g. shm's mode).
         """
 
     def peer_address(self, peer_id: int) -> str:

@@ -766,6 +766,7 @@ nb::list peer_transport_list(ferry::Engine& engine, uint64_t peer_id) {
     d["transport"] = t.transport;
     d["connected"] = t.connected;
     d["carries"] = t.carries;
+    d["via"] = t.via;
     d["reason"] = t.reason;
     out.append(d);
   }
@@ -1580,8 +1581,9 @@ NB_MODULE(_ferry, m) {
            "why it is not running).")
       .def("peer_transports", &PyEngine::peer_transports, "peer_id"_a,
            "How this engine reaches a peer, one entry per running transport: [{'transport', "
-           "'connected', 'carries', 'reason'}] (carries: 'host memory', 'GPU memory', 'host "
-           "and GPU memory' or ''; reason: why it carries nothing or less).")
+           "'connected', 'carries', 'reason', 'via'}] (carries: a comma list of 'host memory', "
+           "'peer GPU memory', 'local GPU with peer host memory', or ''; reason: why it carries "
+           "nothing or less; via: how a connected transport reaches the peer, e.g. shm's mode).")
       .def("peer_address", &PyEngine::peer_address, "peer_id"_a,
            "The connected peer's 'ip:port' on its side of the connection (NotFound if not "
            "connected).")

@@ -199,6 +199,7 @@ std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
       if (route != MemoryRoute::kHostOnly && can_carry(t.caps, route)) cannot_gpu = false;
     }
     info.carries = fmt::format("{}", fmt::join(carries, ", "));
+    if (info.connected) info.via = t.transport->peer_address(peer);
     if (!info.connected) {
       if (notes != unused_.end()) {
         if (auto n = notes->second.find(t.name); n != notes->second.end()) info.reason = n->second;

@@ -46,6 +46,10 @@ def test_same_host_peer_gets_shm_for_host_memory_and_data_moves(target):
         assert routes["shm"]["connected"], routes
         assert routes["shm"]["carries"] == "host memory", routes
         assert "shm carries host memory" in routes["tcp"]["reason"], routes
+        # How shm reaches the peer: its mode (cross-memory attach, or staging and why).
+        shm_mode = os.environ.get("FERRY_SHM_MODE", "auto")
+        expect = "shared memory" if shm_mode == "staging" else "cross-memory attach"
+        assert expect in routes["shm"]["via"], routes
         assert e.peer_transports(peer.id) == peer.transports()
         rng = np.random.default_rng(7)
         src = rng.integers(0, 256, 2 * MiB, dtype=np.uint8)
