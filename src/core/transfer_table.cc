@@ -1,4 +1,5 @@
 #include "core/transfer.h"
+#include "transport/transport.h"
 
 namespace ferry {
 namespace {
@@ -41,6 +42,7 @@ bool Transfer::wait_until(std::chrono::steady_clock::time_point deadline,
         if (finished_.load(std::memory_order_acquire)) return true;
         cpu_relax();
       }
+      if (transport != nullptr) transport->progress(*this);
     } while (std::chrono::steady_clock::now() < spin_end);
   }
   std::unique_lock lock(mu_);

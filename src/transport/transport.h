@@ -98,6 +98,11 @@ class Transport {
   // revoked region are discarded (the write fails with NotFound), bytes still
   // to be sent from one are copied out first. Any thread; returns at once.
   virtual void release_revoked_regions() {}
+  // Called, often, by a thread spinning in wait() on `transfer`: a transport
+  // that learns of completions by polling (a CUDA event, a completion queue)
+  // may poll here, on the waiting thread, instead of handing the news over
+  // from its own thread. Returns at once when there is nothing to do.
+  virtual void progress(const Transfer& /*transfer*/) {}
 };
 
 // Self-registration: each transport folder has a small *_plugin.cc that adds

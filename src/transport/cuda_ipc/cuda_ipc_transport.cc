@@ -40,6 +40,9 @@ const OptionSpec kCudaIpcOptionSpecs[] = {
      "after the last copy in flight completed, the completion thread keeps polling this long "
      "before it sleeps (a next copy is then noticed without a wake-up)",
      0, 100000},
+    {"cuda_ipc.waiter_polls", OptionType::kBool, "true",
+     "a thread spinning in wait() polls the copy streams itself (no hand-over from the "
+     "completion thread)"},
     {"cuda_ipc.engine_max_blocks", OptionType::kUint, "1",
      "calls of at most this many blocks go to the copy engine (cudaMemcpyAsync) rather than the "
      "copy kernel: for a single small block that is lower latency than a kernel launch",
@@ -57,6 +60,18 @@ constexpr uint64_t kWakeTag = 0;
 constexpr uint64_t kListenTag = 1;
 constexpr size_t kRxChunk = 64 << 10;
 constexpr size_t kMaxQueuedFds = kMaxPieces + kMaxFdsPerFrame;
+
+// A short pause in a polling loop (about a microsecond), easing the CPU and
+// the driver lock while another thread polls.
+void cpu_relax_for_a_moment() {
+  for (int i = 0; i < 32; ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+}
 
 std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
@@ -129,6 +144,7 @@ Status CudaIpcTransport::read_options() {
   opt_.send_timeout = std::chrono::milliseconds(o.get_uint("cuda_ipc.send_timeout_ms"));
   opt_.sm_budget = static_cast<uint32_t>(o.get_uint("cuda_ipc.sm_budget"));
   opt_.kernel_max_block = o.get_uint("cuda_ipc.kernel_max_block");
+  opt_.waiter_polls = o.get_bool("cuda_ipc.waiter_polls");
   opt_.engine_max_blocks = static_cast<uint32_t>(o.get_uint("cuda_ipc.engine_max_blocks"));
   opt_.poll_linger = std::chrono::microseconds(o.get_uint("cuda_ipc.poll_linger_us"));
   return Status::Ok();
@@ -931,35 +947,20 @@ void CudaIpcTransport::wake_completion() {
   completion_cv_.notify_one();
 }
 
-void CudaIpcTransport::completion_loop() {
-  auto next_housekeeping = Clock::now();
-  auto linger_until = Clock::now();
-  std::vector<InFlight> done;
-  for (;;) {
-    {
-      std::unique_lock lock(completion_mu_);
-      if (completion_stop_) return;
-      if (in_flight_.load() == 0 && revokes_.empty() && Clock::now() >= linger_until) {
-        completion_cv_.wait_for(lock, std::chrono::milliseconds(50), [&] {
-          return completion_stop_ || in_flight_.load() != 0 || !revokes_.empty();
-        });
-        if (completion_stop_) return;
-      }
-    }
-    std::vector<StreamSlot*> slots;
-    {
-      std::lock_guard lock(slots_mu_);
-      for (auto& s : slots_) slots.push_back(s.get());
-    }
-    for (StreamSlot* s : slots) {
-      std::lock_guard lock(s->mu);
+bool CudaIpcTransport::reap(bool check_failures) {
+  thread_local std::vector<InFlight> done;
+  {
+    std::lock_guard lock(slots_mu_);
+    for (auto& slot : slots_) {
+      StreamSlot* s = slot.get();
+      std::lock_guard slock(s->mu);
       if (s->fifo.empty()) continue;
       const uint64_t through = s->stream->completed_through();
       while (!s->fifo.empty() && s->fifo.front().ticket <= through) {
         done.push_back(std::move(s->fifo.front()));
         s->fifo.pop_front();
       }
-      if (!s->fifo.empty()) {
+      if (check_failures && !s->fifo.empty()) {
         // A failed stream fails what waits on it.
         Status st = s->stream->poll(s->fifo.front().ticket);
         if (!st.ok() && st.code() != StatusCode::kInProgress) {
@@ -971,16 +972,60 @@ void CudaIpcTransport::completion_loop() {
         }
       }
     }
-    if (!done.empty() || in_flight_.load() != 0) linger_until = Clock::now() + opt_.poll_linger;
-    for (InFlight& f : done) {
-      in_flight_.fetch_sub(1);
-      finish_group(f, Status::Ok());
+  }
+  const bool any = !done.empty();
+  for (InFlight& f : done) {
+    in_flight_.fetch_sub(1);
+    finish_group(f, Status::Ok());
+  }
+  done.clear();
+  return any;
+}
+
+void CudaIpcTransport::progress(const Transfer& transfer) {
+  if (!opt_.waiter_polls || transfer.finished() ||
+      in_flight_.load(std::memory_order_relaxed) == 0) {
+    return;
+  }
+  // The waiting thread polls the streams itself: no hand-over from the
+  // completion thread, which stands aside while a waiter was here recently.
+  last_waiter_poll_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  std::unique_lock lock(reap_mu_, std::try_to_lock);
+  if (lock.owns_lock()) reap(false);
+}
+
+void CudaIpcTransport::completion_loop() {
+  auto next_housekeeping = Clock::now();
+  auto next_failure_check = Clock::now();
+  auto linger_until = Clock::now();
+  for (;;) {
+    {
+      std::unique_lock lock(completion_mu_);
+      if (completion_stop_) return;
+      if (in_flight_.load() == 0 && revokes_.empty() && Clock::now() >= linger_until) {
+        completion_cv_.wait_for(lock, std::chrono::milliseconds(50), [&] {
+          return completion_stop_ || in_flight_.load() != 0 || !revokes_.empty();
+        });
+        if (completion_stop_) return;
+      }
     }
-    done.clear();
+    const auto now = Clock::now();
+    const bool waiter_polls =
+        now.time_since_epoch().count() - last_waiter_poll_.load(std::memory_order_relaxed) <
+        std::chrono::duration_cast<Clock::duration>(std::chrono::microseconds(20)).count();
+    if (in_flight_.load() != 0) linger_until = now + opt_.poll_linger;
+    if (!waiter_polls || now >= next_failure_check) {
+      const bool check = now >= next_failure_check;
+      if (check) next_failure_check = now + std::chrono::milliseconds(1);
+      std::lock_guard lock(reap_mu_);
+      if (reap(check)) linger_until = Clock::now() + opt_.poll_linger;
+    } else {
+      cpu_relax_for_a_moment();
+    }
     const bool revokes_waiting = process_revokes();
-    if (Clock::now() >= next_housekeeping) {
+    if (now >= next_housekeeping) {
       enforce_revoke_deadlines();
-      next_housekeeping = Clock::now() + std::chrono::milliseconds(20);
+      next_housekeeping = now + std::chrono::milliseconds(20);
     }
     if (in_flight_.load() == 0 && revokes_waiting) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));

@@ -62,6 +62,7 @@ struct CudaIpcOptions {
   uint64_t kernel_max_block = 256 << 10;
   std::chrono::microseconds poll_linger{50};
   uint32_t engine_max_blocks = 1;
+  bool waiter_polls = true;
 };
 
 // The descriptor a grant was made for: ops may use exactly this range/access.
@@ -141,6 +142,7 @@ class CudaIpcTransport final : public Transport {
                            Bytes payload) override;
   void cancel(Transfer& transfer) override;
   void release_revoked_regions() override;
+  void progress(const Transfer& transfer) override;
 
  private:
   // One copy stream per (device, kind): the default one (SM kernel for small
@@ -195,8 +197,11 @@ class CudaIpcTransport final : public Transport {
   void release_grants(Connection& c, const std::vector<std::shared_ptr<ImportedGrant>>& grants);
   Result<StreamSlot*> slot_for(int device, bool engine_only);
 
-  // --- completion thread ---
+  // --- completion thread (and waiters, through progress()) ---
   void completion_loop();
+  // Completes what the copy streams finished (under reap_mu_); true if
+  // anything did. `check_failures`: also ask whether a stream failed.
+  bool reap(bool check_failures);
   void finish_group(InFlight& f, const Status& status);
   void finish_transfer(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t);
   bool process_revokes();
@@ -235,9 +240,11 @@ class CudaIpcTransport final : public Transport {
   std::thread completion_thread_;
   std::mutex completion_mu_;
   std::condition_variable completion_cv_;
-  bool completion_stop_ = false;        // under completion_mu_
-  std::atomic<uint64_t> in_flight_{0};  // copy groups not yet finished
-  std::vector<PendingRevoke> revokes_;  // under completion_mu_
+  bool completion_stop_ = false;              // under completion_mu_
+  std::atomic<uint64_t> in_flight_{0};        // copy groups not yet finished
+  std::vector<PendingRevoke> revokes_;        // under completion_mu_
+  std::mutex reap_mu_;                        // one reaper at a time
+  std::atomic<int64_t> last_waiter_poll_{0};  // steady_clock ticks of the last progress()
 };
 
 }  // namespace ferry::cuda_ipc

@@ -1,0 +1,212 @@
+#include "transport/fabric/fabric_wire.h"
+
+#include "core/byte_codec.h"
+#include "fmt/format.h"
+
+namespace ferry::fabric {
+
+const char* msg_type_name(uint8_t type) {
+  switch (static_cast<MsgType>(type)) {
+    case MsgType::kHello:
+      return "HELLO";
+    case MsgType::kHelloAck:
+      return "HELLO_ACK";
+    case MsgType::kGrantReq:
+      return "GRANT_REQ";
+    case MsgType::kGrant:
+      return "GRANT";
+    case MsgType::kRevoke:
+      return "REVOKE";
+    case MsgType::kNotify:
+      return "NOTIFY";
+    case MsgType::kPing:
+      return "PING";
+    case MsgType::kPong:
+      return "PONG";
+    case MsgType::kBye:
+      return "BYE";
+  }
+  return "?";
+}
+
+Bytes encode(MsgType type, uint64_t sender, uint64_t request, const Bytes& body) {
+  Bytes out;
+  out.reserve(kHeaderBytes + body.size());
+  ByteWriter w(out);
+  w.u32(kMagic);
+  w.u8(kWireVersion);
+  w.u8(static_cast<uint8_t>(type));
+  w.u16(0);
+  w.u64(sender);
+  w.u64(request);
+  w.u32(static_cast<uint32_t>(body.size()));
+  w.u32(0);
+  w.bytes(body.data(), body.size());
+  return out;
+}
+
+Result<Header> decode_header(const uint8_t* data, size_t len) {
+  if (len < kHeaderBytes) {
+    return err::ProtocolError(
+        fmt::format("fabric: message of {} bytes is shorter than the {}-byte header", len,
+                    kHeaderBytes));
+  }
+  ByteReader r(ByteView(data, kHeaderBytes));
+  const uint32_t magic = r.u32();
+  const uint8_t version = r.u8();
+  Header h;
+  h.type = r.u8();
+  const uint16_t pad = r.u16();
+  h.sender = r.u64();
+  h.request = r.u64();
+  h.body_bytes = r.u32();
+  const uint32_t pad2 = r.u32();
+  if (magic != kMagic) {
+    return err::ProtocolError(
+        fmt::format("fabric: bad magic {:#010x} (expected {:#010x})", magic, kMagic));
+  }
+  if (version != kWireVersion) {
+    return err::ProtocolError(fmt::format(
+        "fabric: wire version {} from engine {:016x}; this engine speaks {}", version, h.sender,
+        kWireVersion));
+  }
+  if (h.type < static_cast<uint8_t>(MsgType::kHello) ||
+      h.type > static_cast<uint8_t>(MsgType::kBye)) {
+    return err::ProtocolError(fmt::format("fabric: unknown message type {}", h.type));
+  }
+  if (pad != 0 || pad2 != 0) {
+    return err::ProtocolError("fabric: reserved header fields are not zero");
+  }
+  if (h.body_bytes > kMaxBodyBytes || h.body_bytes != len - kHeaderBytes) {
+    return err::ProtocolError(
+        fmt::format("fabric: {} claims a {}-byte body, {} bytes arrived (at most {})",
+                    msg_type_name(h.type), h.body_bytes, len - kHeaderBytes, kMaxBodyBytes));
+  }
+  return h;
+}
+
+namespace {
+Status trailing(const ByteReader& r, const char* what) {
+  if (!r.ok()) return err::ProtocolError(fmt::format("fabric: truncated {}", what));
+  if (r.remaining() != 0) {
+    return err::ProtocolError(
+        fmt::format("fabric: {} has {} unexpected trailing bytes", what, r.remaining()));
+  }
+  return Status::Ok();
+}
+}  // namespace
+
+Bytes encode_hello(const Hello& h) {
+  Bytes out;
+  ByteWriter w(out);
+  w.u16(h.protocol);
+  w.u64(h.expected);
+  w.str16(h.provider);
+  w.u16(static_cast<uint16_t>(h.address.size()));
+  w.bytes(h.address.data(), h.address.size());
+  return out;
+}
+
+Result<Hello> decode_hello(ByteView body) {
+  ByteReader r(body);
+  Hello h;
+  h.protocol = r.u16();
+  h.expected = r.u64();
+  h.provider = r.str16();
+  const uint16_t n = r.u16();
+  if (r.ok() && (n == 0 || n > kMaxAddressBytes)) {
+    return err::ProtocolError(fmt::format("fabric: HELLO address of {} bytes (1 to {})", n,
+                                          kMaxAddressBytes));
+  }
+  auto a = r.bytes(n);
+  h.address.assign(a.begin(), a.end());
+  if (Status s = trailing(r, "HELLO"); !s.ok()) return s;
+  return h;
+}
+
+Bytes encode_status(const Status& s) {
+  Bytes out;
+  ByteWriter w(out);
+  w.u8(static_cast<uint8_t>(s.code()));
+  std::string m = s.message();
+  if (m.size() > kMaxTextBytes) m.resize(kMaxTextBytes);
+  w.str16(m);
+  return out;
+}
+
+Result<Status> decode_status(ByteView body, size_t* used) {
+  ByteReader r(body);
+  const uint8_t code = r.u8();
+  std::string m = r.str16();
+  if (!r.ok()) return err::ProtocolError("fabric: truncated status");
+  if (code > static_cast<uint8_t>(StatusCode::kInternal) || m.size() > kMaxTextBytes) {
+    return err::ProtocolError(fmt::format("fabric: status code {} is unknown", code));
+  }
+  if (used) {
+    *used = r.position();
+  } else if (r.remaining() != 0) {
+    return err::ProtocolError("fabric: status has trailing bytes");
+  }
+  if (code == 0) return Status::Ok();
+  return Status(static_cast<StatusCode>(code), std::move(m));
+}
+
+Bytes encode_grant_req(const GrantReq& g) {
+  Bytes out;
+  ByteWriter w(out);
+  w.u64(g.region);
+  w.u64(g.adv_offset);
+  w.u64(g.adv_length);
+  w.u64(g.key);
+  w.u8(g.access);
+  return out;
+}
+
+Result<GrantReq> decode_grant_req(ByteView body) {
+  ByteReader r(body);
+  GrantReq g;
+  g.region = r.u64();
+  g.adv_offset = r.u64();
+  g.adv_length = r.u64();
+  g.key = r.u64();
+  g.access = r.u8();
+  if (Status s = trailing(r, "GRANT_REQ"); !s.ok()) return s;
+  return g;
+}
+
+Bytes encode_grant(const Grant& g) {
+  Bytes out = encode_status(g.status);
+  ByteWriter w(out);
+  w.u64(g.mr_key);
+  w.u64(g.base);
+  return out;
+}
+
+Result<Grant> decode_grant(ByteView body) {
+  size_t used = 0;
+  auto st = decode_status(body, &used);
+  if (!st.ok()) return st.status();
+  ByteReader r(body.subspan(used));
+  Grant g;
+  g.status = *st;
+  g.mr_key = r.u64();
+  g.base = r.u64();
+  if (Status s = trailing(r, "GRANT"); !s.ok()) return s;
+  return g;
+}
+
+Bytes encode_u64(uint64_t v) {
+  Bytes out;
+  ByteWriter w(out);
+  w.u64(v);
+  return out;
+}
+
+Result<uint64_t> decode_u64(ByteView body, const char* what) {
+  ByteReader r(body);
+  const uint64_t v = r.u64();
+  if (Status s = trailing(r, what); !s.ok()) return s;
+  return v;
+}
+
+}  // namespace ferry::fabric
