@@ -27,6 +27,7 @@ DEBIAN_PACKAGES=(
   libgtest-dev googletest iproute2 python3 python3-venv python3-dev
   clang libclang-rt-14-dev
   etcd-server libcurl4-openssl-dev
+  libfabric-dev
 )
 
 install_debian_packages() {

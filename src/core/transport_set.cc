@@ -129,7 +129,7 @@ std::vector<TransportInfo> TransportSet::describe() const {
 
 Transport* TransportSet::network() const {
   for (const Running& t : running_) {
-    if (!t.caps.same_host_only) return t.transport.get();
+    if (!t.caps.same_host_only && !t.caps.metadata_only) return t.transport.get();
   }
   return nullptr;
 }

@@ -53,8 +53,9 @@ class TransportSet {
 
   const std::vector<Running>& running() const { return running_; }
   std::vector<TransportInfo> describe() const;
-  // The lowest-ranked running transport that is not same-host only (tcp,
-  // fabric): the one that connects by host:port. Null when none runs.
+  // The lowest-ranked running transport that is not same-host only and can
+  // connect by "host:port" (tcp; not fabric, whose address is only in the
+  // metadata). Null when none runs.
   Transport* network() const;
   Transport* find(std::string_view name) const;
 

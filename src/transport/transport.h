@@ -56,6 +56,9 @@ struct TransportCaps {
   // memory).
   bool cuda_peer_only = false;
   bool same_host_only = false;
+  // connect() takes only the address blob from the peer's metadata (fabric),
+  // never "host:port": Engine::connect(host_port) leaves such a transport out.
+  bool metadata_only = false;
 };
 
 class Transport {

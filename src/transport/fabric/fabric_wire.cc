@@ -47,9 +47,8 @@ Bytes encode(MsgType type, uint64_t sender, uint64_t request, const Bytes& body)
 
 Result<Header> decode_header(const uint8_t* data, size_t len) {
   if (len < kHeaderBytes) {
-    return err::ProtocolError(
-        fmt::format("fabric: message of {} bytes is shorter than the {}-byte header", len,
-                    kHeaderBytes));
+    return err::ProtocolError(fmt::format(
+        "fabric: message of {} bytes is shorter than the {}-byte header", len, kHeaderBytes));
   }
   ByteReader r(ByteView(data, kHeaderBytes));
   const uint32_t magic = r.u32();
@@ -66,9 +65,9 @@ Result<Header> decode_header(const uint8_t* data, size_t len) {
         fmt::format("fabric: bad magic {:#010x} (expected {:#010x})", magic, kMagic));
   }
   if (version != kWireVersion) {
-    return err::ProtocolError(fmt::format(
-        "fabric: wire version {} from engine {:016x}; this engine speaks {}", version, h.sender,
-        kWireVersion));
+    return err::ProtocolError(
+        fmt::format("fabric: wire version {} from engine {:016x}; this engine speaks {}", version,
+                    h.sender, kWireVersion));
   }
   if (h.type < static_cast<uint8_t>(MsgType::kHello) ||
       h.type > static_cast<uint8_t>(MsgType::kBye)) {
@@ -115,8 +114,8 @@ Result<Hello> decode_hello(ByteView body) {
   h.provider = r.str16();
   const uint16_t n = r.u16();
   if (r.ok() && (n == 0 || n > kMaxAddressBytes)) {
-    return err::ProtocolError(fmt::format("fabric: HELLO address of {} bytes (1 to {})", n,
-                                          kMaxAddressBytes));
+    return err::ProtocolError(
+        fmt::format("fabric: HELLO address of {} bytes (1 to {})", n, kMaxAddressBytes));
   }
   auto a = r.bytes(n);
   h.address.assign(a.begin(), a.end());
@@ -134,7 +133,7 @@ Bytes encode_status(const Status& s) {
   return out;
 }
 
-Result<Status> decode_status(ByteView body, size_t* used) {
+Status decode_status(ByteView body, Status* out, size_t* used) {
   ByteReader r(body);
   const uint8_t code = r.u8();
   std::string m = r.str16();
@@ -147,8 +146,8 @@ Result<Status> decode_status(ByteView body, size_t* used) {
   } else if (r.remaining() != 0) {
     return err::ProtocolError("fabric: status has trailing bytes");
   }
-  if (code == 0) return Status::Ok();
-  return Status(static_cast<StatusCode>(code), std::move(m));
+  *out = code == 0 ? Status::Ok() : Status(static_cast<StatusCode>(code), std::move(m));
+  return Status::Ok();
 }
 
 Bytes encode_grant_req(const GrantReq& g) {
@@ -184,11 +183,9 @@ Bytes encode_grant(const Grant& g) {
 
 Result<Grant> decode_grant(ByteView body) {
   size_t used = 0;
-  auto st = decode_status(body, &used);
-  if (!st.ok()) return st.status();
-  ByteReader r(body.subspan(used));
   Grant g;
-  g.status = *st;
+  if (Status s = decode_status(body, &g.status, &used); !s.ok()) return s;
+  ByteReader r(body.subspan(used));
   g.mr_key = r.u64();
   g.base = r.u64();
   if (Status s = trailing(r, "GRANT"); !s.ok()) return s;

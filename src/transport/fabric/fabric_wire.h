@@ -80,7 +80,8 @@ Result<Header> decode_header(const uint8_t* data, size_t len);
 Bytes encode_hello(const Hello& h);
 Result<Hello> decode_hello(ByteView body);
 Bytes encode_status(const Status& s);
-Result<Status> decode_status(ByteView body, size_t* used = nullptr);
+// Decodes a status into *out; the return value is a ProtocolError when malformed.
+Status decode_status(ByteView body, Status* out, size_t* used = nullptr);
 Bytes encode_grant_req(const GrantReq& g);
 Result<GrantReq> decode_grant_req(ByteView body);
 Bytes encode_grant(const Grant& g);

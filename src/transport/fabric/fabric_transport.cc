@@ -1,0 +1,1336 @@
+#include "transport/fabric/fabric_transport.h"
+
+#include <dlfcn.h>
+#include <poll.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/byte_codec.h"
+#include "core/thread_name.h"
+#include "core/version.h"
+#include "fmt/format.h"
+#include "spdlog/spdlog.h"
+
+namespace ferry::fabric {
+
+const OptionSpec kFabricOptionSpecs[] = {
+    {"fabric.library", OptionType::kString, "libfabric.so.1",
+     "libfabric shared library opened with dlopen (a path, or a name the loader finds)"},
+    {"fabric.provider", OptionType::kString, "",
+     "libfabric provider (cxi, efa, verbs;ofi_rxm, tcp;ofi_rxm, ...); empty: the first one "
+     "offering reliable-datagram endpoints with RMA (FI_PROVIDER narrows libfabric's list too)"},
+    {"fabric.domain", OptionType::kString, "",
+     "libfabric domain (NIC) name, e.g. cxi0, rdmap0s6-rdm, mlx5_0, eth0; empty: the first"},
+    {"fabric.max_inflight", OptionType::kUint, "256",
+     "most RMA operations posted and not yet completed (larger batches are posted in windows)", 1,
+     65536},
+    {"fabric.max_inflight_bytes", OptionType::kBytes, "64MiB",
+     "most RMA payload bytes posted and not yet completed", 4096, 1ull << 40},
+    {"fabric.connect_timeout_ms", OptionType::kDurationMs, "5000",
+     "time allowed for the fabric handshake with a peer", 1, 600000},
+    {"fabric.grant_timeout_ms", OptionType::kDurationMs, "10000",
+     "time allowed for a peer to answer a key request (first use of a descriptor)", 1, 600000},
+    {"fabric.peer_timeout_ms", OptionType::kDurationMs, "1500",
+     "a peer not heard from (keepalive) this long is declared dead and its transfers fail", 100,
+     600000},
+};
+const size_t kFabricOptionSpecCount = std::size(kFabricOptionSpecs);
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t kRecvBuffers = 16;
+constexpr size_t kCqBatch = 64;
+constexpr uint32_t kApiVersion = FI_VERSION(1, 9);
+
+std::string hex_id(uint64_t id) {
+  return fmt::format("{:016x}", id);
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+GrantKey key_of(const RemoteAccessRequest& r) {
+  return {r.region_id, r.adv_offset, r.adv_length, r.key, r.access};
+}
+
+std::string mr_mode_text(uint64_t m) {
+  std::string s;
+  auto add = [&](uint64_t bit, const char* name) {
+    if (m & bit) s += (s.empty() ? "" : "|") + std::string(name);
+  };
+  add(FI_MR_LOCAL, "LOCAL");
+  add(FI_MR_VIRT_ADDR, "VIRT_ADDR");
+  add(FI_MR_ALLOCATED, "ALLOCATED");
+  add(FI_MR_PROV_KEY, "PROV_KEY");
+  add(FI_MR_ENDPOINT, "ENDPOINT");
+  add(FI_MR_HMEM, "HMEM");
+  return fmt::format("{:#x} ({})", m, s.empty() ? "offsets, user keys" : s);
+}
+
+// Errors a provider reports when the connection to the peer is gone.
+bool is_disconnect(int err) {
+  switch (err) {
+    case FI_ECONNRESET:
+    case FI_ECONNABORTED:
+    case FI_ENOTCONN:
+    case FI_ECONNREFUSED:
+    case FI_EHOSTUNREACH:
+    case FI_ENETDOWN:
+    case FI_ENETUNREACH:
+    case FI_ESHUTDOWN:
+    case FI_ECANCELED:
+    case FI_EIO:
+      return true;
+    default:
+      return false;
+  }
+}
+
+struct AddressBlob {
+  std::string provider, fabric, domain;
+  Bytes name;
+};
+
+Bytes encode_address(const AddressBlob& a) {
+  Bytes out;
+  ByteWriter w(out);
+  w.u16(1);
+  w.str16(a.provider);
+  w.str16(a.fabric);
+  w.str16(a.domain);
+  w.u16(static_cast<uint16_t>(a.name.size()));
+  w.bytes(a.name.data(), a.name.size());
+  return out;
+}
+
+Result<AddressBlob> decode_address(ByteView b) {
+  ByteReader r(b);
+  const uint16_t v = r.u16();
+  AddressBlob a;
+  a.provider = r.str16();
+  a.fabric = r.str16();
+  a.domain = r.str16();
+  const uint16_t n = r.u16();
+  auto name = r.bytes(n);
+  if (!r.ok() || r.remaining() != 0 || n == 0 || n > kMaxAddressBytes) {
+    return err::InvalidArgument(fmt::format("fabric: malformed peer address ({} bytes)", b.size()));
+  }
+  if (v != 1) {
+    return err::NotSupported(
+        fmt::format("fabric: peer address format {} (this engine reads 1)", v));
+  }
+  a.name.assign(name.begin(), name.end());
+  return a;
+}
+
+}  // namespace
+
+FabricTransport::~FabricTransport() {
+  shutdown(err::Cancelled("fabric transport destroyed"));
+}
+
+TransportCaps FabricTransport::capabilities() const {
+  TransportCaps c;
+  c.host_memory = true;
+  c.cuda_memory = false;  // FI_HMEM not used yet: GPU memory goes over tcp
+  c.metadata_only = true;
+  return c;
+}
+
+std::string FabricTransport::fi_error(int ret) const {
+  const int e = ret < 0 ? -ret : ret;
+  return fmt::format("{} ({})", api_.strerror ? api_.strerror(e) : "?", e);
+}
+
+Status FabricTransport::load_library() {
+  ::dlerror();
+  api_.handle = ::dlopen(opt_.library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!api_.handle) {
+    const char* why = ::dlerror();
+    return err::NotSupported(fmt::format("fabric: cannot load libfabric '{}' (fabric.library): {}",
+                                         opt_.library, why ? why : "unknown error"));
+  }
+  auto sym = [&](const char* name) { return ::dlsym(api_.handle, name); };
+  api_.getinfo = reinterpret_cast<decltype(api_.getinfo)>(sym("fi_getinfo"));
+  api_.freeinfo = reinterpret_cast<decltype(api_.freeinfo)>(sym("fi_freeinfo"));
+  api_.dupinfo = reinterpret_cast<decltype(api_.dupinfo)>(sym("fi_dupinfo"));
+  api_.fabric = reinterpret_cast<decltype(api_.fabric)>(sym("fi_fabric"));
+  api_.strerror = reinterpret_cast<decltype(api_.strerror)>(sym("fi_strerror"));
+  api_.version = reinterpret_cast<decltype(api_.version)>(sym("fi_version"));
+  if (!api_.getinfo || !api_.freeinfo || !api_.dupinfo || !api_.fabric || !api_.strerror ||
+      !api_.version) {
+    return err::NotSupported(
+        fmt::format("fabric: '{}' lacks the libfabric entry points (fi_getinfo, fi_fabric, ...)",
+                    opt_.library));
+  }
+  if (api_.version() < kApiVersion) {
+    return err::NotSupported(fmt::format("fabric: libfabric {}.{} is older than 1.9",
+                                         FI_MAJOR(api_.version()), FI_MINOR(api_.version())));
+  }
+  return Status::Ok();
+}
+
+Status FabricTransport::open_fabric() {
+  struct fi_info* hints = api_.dupinfo(nullptr);
+  if (!hints) return err::Internal("fabric: fi_allocinfo failed");
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->caps =
+      FI_RMA | FI_MSG | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  hints->domain_attr->mr_mode =
+      FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+  hints->domain_attr->threading = FI_THREAD_SAFE;
+  hints->addr_format = FI_FORMAT_UNSPEC;
+  if (!opt_.provider.empty()) hints->fabric_attr->prov_name = ::strdup(opt_.provider.c_str());
+  if (!opt_.domain.empty()) hints->domain_attr->name = ::strdup(opt_.domain.c_str());
+
+  // Socket-based providers bind to an interface address: use the engine's
+  // listen host when it names one, so the address we publish is reachable
+  // where tcp's is (network namespaces, multi-homed hosts).
+  std::string node;
+  const size_t colon = ctx_.listen.rfind(':');
+  if (colon != std::string::npos) node = ctx_.listen.substr(0, colon);
+  if (!node.empty() && node.front() == '[') node = node.substr(1, node.size() - 2);
+  if (node == "0.0.0.0" || node == "::" || node == "*") node.clear();
+
+  struct fi_info* list = nullptr;
+  int ret = -FI_ENODATA;
+  // Ask for delivery-complete writes first (a write's completion then means
+  // the bytes are placed at the target); without it, plain completions.
+  for (int attempt = 0; attempt < 4 && ret != 0; ++attempt) {
+    const bool dc = attempt % 2 == 0;
+    const bool with_node = attempt < 2 && !node.empty();
+    if (attempt < 2 && node.empty() && attempt == 1) continue;
+    hints->tx_attr->op_flags = dc ? FI_DELIVERY_COMPLETE : 0;
+    ret = api_.getinfo(kApiVersion, with_node ? node.c_str() : nullptr, nullptr,
+                       with_node ? FI_SOURCE : 0, hints, &list);
+    if (ret == 0) delivery_complete_ = dc;
+  }
+  api_.freeinfo(hints);
+  if (ret != 0 || !list) {
+    return err::NotSupported(fmt::format(
+        "fabric: no libfabric provider offers reliable-datagram endpoints with RMA{}{}: {}",
+        opt_.provider.empty() ? "" : " as provider '" + opt_.provider + "'",
+        opt_.domain.empty() ? "" : " on domain '" + opt_.domain + "'", fi_error(ret)));
+  }
+  // Keys are carried as 64 bits.
+  struct fi_info* pick = nullptr;
+  for (struct fi_info* i = list; i; i = i->next) {
+    if (i->domain_attr->mr_key_size <= 8 && !(i->domain_attr->mr_mode & FI_MR_RAW)) {
+      pick = i;
+      break;
+    }
+  }
+  if (!pick) {
+    api_.freeinfo(list);
+    return err::NotSupported("fabric: every matching provider needs raw (> 8-byte) keys");
+  }
+  info_ = api_.dupinfo(pick);
+  api_.freeinfo(list);
+
+  mr_mode_ = info_->domain_attr->mr_mode;
+  iov_limit_ = std::clamp<size_t>(info_->tx_attr->iov_limit, 1, Op::kMaxIov);
+  if (info_->ep_attr->max_msg_size > 0) {
+    max_op_bytes_ = std::min<uint64_t>(max_op_bytes_, info_->ep_attr->max_msg_size);
+  }
+  const std::string prov = info_->fabric_attr->prov_name;
+  auto fail = [&](const char* what, int r) {
+    return err::NotSupported(fmt::format("fabric: {} {}: {}", prov, what, fi_error(r)));
+  };
+  if ((ret = api_.fabric(info_->fabric_attr, &fabric_, nullptr)) != 0)
+    return fail("fi_fabric", ret);
+  if ((ret = fi_domain(fabric_, info_, &domain_, nullptr)) != 0) return fail("fi_domain", ret);
+  struct fi_cq_attr cq_attr {};
+  cq_attr.format = FI_CQ_FORMAT_DATA;
+  cq_attr.wait_obj = FI_WAIT_FD;
+  cq_attr.size = 0;
+  if ((ret = fi_cq_open(domain_, &cq_attr, &cq_, nullptr)) != 0) {
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    if ((ret = fi_cq_open(domain_, &cq_attr, &cq_, nullptr)) != 0) return fail("fi_cq_open", ret);
+  } else if (fi_control(&cq_->fid, FI_GETWAIT, &cq_fd_) != 0) {
+    cq_fd_ = -1;
+  }
+  struct fi_av_attr av_attr {};
+  av_attr.type = FI_AV_TABLE;
+  if ((ret = fi_av_open(domain_, &av_attr, &av_, nullptr)) != 0) return fail("fi_av_open", ret);
+  if ((ret = fi_endpoint(domain_, info_, &ep_, nullptr)) != 0) return fail("fi_endpoint", ret);
+  if ((ret = fi_ep_bind(ep_, &av_->fid, 0)) != 0) return fail("fi_ep_bind(av)", ret);
+  if ((ret = fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV)) != 0) {
+    return fail("fi_ep_bind(cq)", ret);
+  }
+  if ((ret = fi_enable(ep_)) != 0) return fail("fi_enable", ret);
+  size_t len = 0;
+  fi_getname(&ep_->fid, nullptr, &len);
+  if (len == 0 || len > kMaxAddressBytes) return fail("fi_getname", -FI_EINVAL);
+  ep_name_.resize(len);
+  if ((ret = fi_getname(&ep_->fid, ep_name_.data(), &len)) != 0) return fail("fi_getname", ret);
+  ep_name_.resize(len);
+  char text[256] = {};
+  size_t tlen = sizeof text;
+  fi_av_straddr(av_, ep_name_.data(), text, &tlen);
+  address_ = encode_address({prov, info_->fabric_attr->name ? info_->fabric_attr->name : "",
+                             info_->domain_attr->name ? info_->domain_attr->name : "", ep_name_});
+  address_text_ =
+      fmt::format("{} domain {} at {} (mr_mode {}, {} completion, iov_limit {})", prov,
+                  info_->domain_attr->name ? info_->domain_attr->name : "?", text,
+                  mr_mode_text(mr_mode_), delivery_complete_ ? "delivery" : "transmit", iov_limit_);
+  return Status::Ok();
+}
+
+Status FabricTransport::start(const TransportContext& context) {
+  ctx_ = context;
+  const OptionSet& o = *ctx_.options;
+  opt_.library = o.get_string("fabric.library");
+  opt_.provider = o.get_string("fabric.provider");
+  opt_.domain = o.get_string("fabric.domain");
+  opt_.max_inflight = static_cast<uint32_t>(o.get_uint("fabric.max_inflight"));
+  opt_.max_inflight_bytes = o.get_uint("fabric.max_inflight_bytes");
+  opt_.connect_timeout = std::chrono::milliseconds(o.get_uint("fabric.connect_timeout_ms"));
+  opt_.grant_timeout = std::chrono::milliseconds(o.get_uint("fabric.grant_timeout_ms"));
+  opt_.peer_timeout = std::chrono::milliseconds(o.get_uint("fabric.peer_timeout_ms"));
+  if (Status s = load_library(); !s.ok()) return s;
+  if (Status s = open_fabric(); !s.ok()) {
+    shutdown(s);
+    return s;
+  }
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) return err::Internal("fabric: eventfd failed");
+  {
+    std::lock_guard lock(post_mu_);
+    for (size_t i = 0; i < kRecvBuffers; ++i) {
+      Op* op = take_op();
+      op->kind = Op::kRecv;
+      op->buf.resize(kMaxMessageBytes);
+      if (Status s = post_recv(op); !s.ok()) return s;
+      recvs_.push_back(op);
+    }
+  }
+  {
+    std::lock_guard lock(life_mu_);
+    started_ = true;
+  }
+  next_ping_ = Clock::now() + opt_.peer_timeout / 6;
+  progress_ = std::thread([this] { progress_loop(); });
+  spdlog::info("ferry: fabric: {}", address_text_);
+  return Status::Ok();
+}
+
+Status FabricTransport::post_recv(Op* op) {
+  if ((mr_mode_ & FI_MR_LOCAL) && !op->mr) {
+    int r = fi_mr_reg(domain_, op->buf.data(), op->buf.size(), FI_RECV | FI_SEND, 0,
+                      next_key_.fetch_add(1), 0, &op->mr, nullptr);
+    if (r != 0) return err::Internal("fabric: registering a receive buffer: " + fi_error(r));
+  }
+  for (;;) {
+    ssize_t r = fi_recv(ep_, op->buf.data(), op->buf.size(), op->mr ? fi_mr_desc(op->mr) : nullptr,
+                        FI_ADDR_UNSPEC, &op->ctx);
+    if (r == 0) return Status::Ok();
+    if (r != -FI_EAGAIN) return err::Internal("fabric: fi_recv: " + fi_error(static_cast<int>(r)));
+    // The receive queue is full only while the provider has work to do.
+    std::this_thread::yield();
+  }
+}
+
+void FabricTransport::shutdown(const Status& reason) {
+  {
+    std::lock_guard lock(life_mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  if (progress_.joinable()) {
+    // Tell peers, so their transfers fail now rather than at the keepalive
+    // deadline; give the sends a moment to leave.
+    std::vector<std::shared_ptr<Peer>> peers;
+    {
+      std::lock_guard lock(peers_mu_);
+      for (auto& [id, p] : peers_) peers.push_back(p);
+    }
+    for (auto& p : peers) {
+      if (!p->dead.load()) (void)send(p, p->addr, MsgType::kBye, 0, {});
+    }
+    if (!peers.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    stop_.store(true);
+    wake();
+    progress_.join();
+  }
+  std::vector<std::shared_ptr<Peer>> peers;
+  {
+    std::lock_guard lock(peers_mu_);
+    for (auto& [id, p] : peers_) peers.push_back(p);
+    peers_.clear();
+    for (auto& [id, w] : connect_waits_) {
+      w.done = true;
+      w.status = reason;
+    }
+  }
+  connect_cv_.notify_all();
+  for (auto& p : peers) fail_peer(p, reason);
+  {
+    std::lock_guard lock(post_mu_);
+    std::vector<std::shared_ptr<Job>> all;
+    for (auto& [t, j] : jobs_) all.push_back(j);
+    for (auto& j : all) fail_job_locked(j, reason);
+  }
+  if (ep_) fi_close(&ep_->fid);
+  ep_ = nullptr;
+  {
+    std::lock_guard lock(export_mu_);
+    for (auto& [id, e] : exported_) {
+      for (auto* mr : e.mr) {
+        if (mr) fi_close(&mr->fid);
+      }
+    }
+    exported_.clear();
+    for (auto& [id, l] : local_mrs_) fi_close(&l.mr->fid);
+    local_mrs_.clear();
+  }
+  {
+    std::lock_guard lock(post_mu_);
+    for (auto& op : ops_) {
+      if (op->mr) fi_close(&op->mr->fid);
+      op->mr = nullptr;
+    }
+  }
+  if (av_) fi_close(&av_->fid);
+  if (cq_) fi_close(&cq_->fid);
+  if (domain_) fi_close(&domain_->fid);
+  if (fabric_) fi_close(&fabric_->fid);
+  av_ = nullptr;
+  cq_ = nullptr;
+  domain_ = nullptr;
+  fabric_ = nullptr;
+  if (info_) api_.freeinfo(info_);
+  info_ = nullptr;
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  wake_fd_ = -1;
+  // The library stays loaded: providers keep global state (and threads)
+  // that must not be unmapped under them.
+}
+
+Bytes FabricTransport::local_address() const {
+  return address_;
+}
+
+std::string FabricTransport::local_address_text() const {
+  return address_text_;
+}
+
+std::string FabricTransport::describe(const Peer& p) const {
+  return fmt::format("peer {} (fabric {})", hex_id(p.id), p.via);
+}
+
+Result<PeerId> FabricTransport::connect(ByteView peer_address, PeerId expected_peer) {
+  auto a = decode_address(peer_address);
+  if (!a.ok()) return a.status();
+  const std::string ours = info_->fabric_attr->prov_name;
+  if (a->provider != ours) {
+    return err::NotSupported(fmt::format(
+        "fabric: the peer runs provider '{}' (domain {}), this engine '{}': they cannot talk",
+        a->provider, a->domain, ours));
+  }
+  std::lock_guard connect_lock(connect_mu_);
+  if (expected_peer != 0 && is_connected(expected_peer)) return expected_peer;
+  fi_addr_t addr = FI_ADDR_UNSPEC;
+  int n = fi_av_insert(av_, a->name.data(), 1, &addr, 0, nullptr);
+  char text[256] = {};
+  size_t tlen = sizeof text;
+  fi_av_straddr(av_, a->name.data(), text, &tlen);
+  if (n != 1) {
+    return err::InvalidArgument(
+        fmt::format("fabric: cannot insert the peer address {} into the address vector: {}", text,
+                    fi_error(n)));
+  }
+  const uint64_t request = next_request_.fetch_add(1);
+  {
+    std::lock_guard lock(peers_mu_);
+    connect_waits_[request] = {};
+  }
+  Hello h;
+  h.protocol = kProtocolVersion;
+  h.expected = expected_peer;
+  h.provider = ours;
+  h.address = ep_name_;
+  auto pending = std::make_shared<Peer>();
+  pending->addr = addr;
+  pending->via = text;
+  if (Status s = send(pending, addr, MsgType::kHello, request, encode_hello(h)); !s.ok()) {
+    std::lock_guard lock(peers_mu_);
+    connect_waits_.erase(request);
+    return s;
+  }
+  std::unique_lock lock(peers_mu_);
+  const bool answered = connect_cv_.wait_for(lock, opt_.connect_timeout,
+                                             [&] { return connect_waits_[request].done; });
+  ConnectWait w = connect_waits_[request];
+  connect_waits_.erase(request);
+  if (!answered) {
+    return err::Timeout(fmt::format("fabric: no handshake answer from {} within {} ms", text,
+                                    opt_.connect_timeout.count()));
+  }
+  if (!w.status.ok()) {
+    return Status(w.status.code(),
+                  fmt::format("fabric: {} refused the handshake: {}", text, w.status.message()));
+  }
+  if (expected_peer != 0 && w.peer != expected_peer) {
+    return err::NotFound(fmt::format("fabric: {} is engine {}, not the expected {}", text,
+                                     hex_id(w.peer), hex_id(expected_peer)));
+  }
+  auto it = peers_.find(w.peer);
+  if (it == peers_.end() || it->second->dead.load()) {
+    pending->id = w.peer;
+    pending->last_heard.store(now_ns());
+    peers_[w.peer] = pending;
+  }
+  spdlog::debug("fabric: connected to engine {} at {}", hex_id(w.peer), text);
+  return w.peer;
+}
+
+bool FabricTransport::is_connected(PeerId peer) const {
+  std::lock_guard lock(peers_mu_);
+  auto it = peers_.find(peer);
+  return it != peers_.end() && !it->second->dead.load();
+}
+
+std::string FabricTransport::peer_address(PeerId peer) const {
+  std::lock_guard lock(peers_mu_);
+  auto it = peers_.find(peer);
+  return it == peers_.end() ? std::string() : it->second->via;
+}
+
+Result<std::shared_ptr<Peer>> FabricTransport::live_peer(PeerId peer) const {
+  std::lock_guard lock(peers_mu_);
+  auto it = peers_.find(peer);
+  if (it == peers_.end()) {
+    return err::PeerDisconnected(
+        fmt::format("fabric: peer {} is not connected (lost or never connected)", hex_id(peer)));
+  }
+  if (it->second->dead.load()) {
+    std::lock_guard plock(it->second->mu);
+    return err::PeerDisconnected(
+        fmt::format("fabric: {}: {}", describe(*it->second), it->second->dead_reason));
+  }
+  return it->second;
+}
+
+// --- keys ---------------------------------------------------------------------
+
+Result<RemoteKey> FabricTransport::grant_for(const std::shared_ptr<Peer>& p,
+                                             const RemoteAccessRequest& r) {
+  const GrantKey key = key_of(r);
+  std::unique_lock lock(p->mu);
+  if (auto it = p->grants.find(key); it != p->grants.end()) return it->second;
+  const uint64_t request = next_request_.fetch_add(1);
+  p->grant_waits[request] = {};
+  lock.unlock();
+  GrantReq q{r.region_id, r.adv_offset, r.adv_length, r.key, r.access};
+  if (Status s = send(p, p->addr, MsgType::kGrantReq, request, encode_grant_req(q)); !s.ok()) {
+    lock.lock();
+    p->grant_waits.erase(request);
+    return s;
+  }
+  lock.lock();
+  const bool answered = p->cv.wait_for(
+      lock, opt_.grant_timeout, [&] { return p->grant_waits[request].done || p->dead.load(); });
+  Peer::GrantWait w = p->grant_waits[request];
+  p->grant_waits.erase(request);
+  if (!w.done) {
+    if (p->dead.load()) {
+      return err::PeerDisconnected(fmt::format("fabric: {}: {}", describe(*p), p->dead_reason));
+    }
+    (void)answered;
+    return err::Timeout(
+        fmt::format("fabric: {} did not answer the key request for region {} "
+                    "within {} ms",
+                    describe(*p), r.region_id, opt_.grant_timeout.count()));
+  }
+  if (!w.grant.status.ok()) return w.grant.status;
+  RemoteKey k{w.grant.mr_key, w.grant.base};
+  p->grants[key] = k;
+  p->revoked.erase(r.region_id);
+  return k;
+}
+
+Result<void*> FabricTransport::local_desc(const Segment& s) {
+  auto region = ctx_.registry->find_local(s.local, s.length);
+  if (!region.ok()) return region.status();
+  std::lock_guard lock(export_mu_);
+  auto it = local_mrs_.find(region->id);
+  if (it == local_mrs_.end()) {
+    LocalMr l;
+    l.region = ctx_.registry->find(region->id);
+    if (!l.region) return err::NotFound(fmt::format("local region {} is gone", region->id));
+    int r = fi_mr_reg(domain_, region->address, region->length, FI_READ | FI_WRITE, 0,
+                      next_key_.fetch_add(1), 0, &l.mr, nullptr);
+    if (r != 0) {
+      return err::Internal(
+          fmt::format("fabric: registering local region {}: {}", region->id, fi_error(r)));
+    }
+    if (mr_mode_ & FI_MR_ENDPOINT) {
+      fi_mr_bind(l.mr, &ep_->fid, 0);
+      fi_mr_enable(l.mr);
+    }
+    it = local_mrs_.emplace(region->id, std::move(l)).first;
+  }
+  return fi_mr_desc(it->second.mr);
+}
+
+Status FabricTransport::serve_grant(const std::shared_ptr<Peer>& p, uint64_t request,
+                                    const GrantReq& q) {
+  Grant g;
+  RemoteAccessRequest r;
+  r.region_id = q.region;
+  r.adv_offset = q.adv_offset;
+  r.adv_length = q.adv_length;
+  r.key = q.key;
+  r.access = q.access;
+  r.offset = 0;
+  r.length = q.adv_length;
+  RegionPin pin;
+  auto addr = ctx_.registry->check_remote(r, q.access, &pin);
+  if (!addr.ok()) {
+    g.status = addr.status();
+  } else if (pin.get()->info.kind != MemoryKind::kHost) {
+    g.status = err::NotSupported(fmt::format(
+        "region {} is GPU memory; the fabric transport here carries host memory only", q.region));
+  } else {
+    Region* region = pin.get();
+    const int slot = (q.access & kAccessWrite) ? 1 : 0;
+    std::lock_guard lock(export_mu_);
+    auto it = exported_.find(q.region);
+    if (it == exported_.end()) {
+      it = exported_.emplace(q.region, Exported{}).first;
+      it->second.pin = std::move(pin);
+    }
+    Exported& e = it->second;
+    if (!e.mr[slot]) {
+      const uint64_t access = FI_REMOTE_READ | (slot ? FI_REMOTE_WRITE : 0);
+      int ret = fi_mr_reg(domain_, region->info.address, region->info.length, access, 0,
+                          next_key_.fetch_add(1), 0, &e.mr[slot], nullptr);
+      if (ret == 0 && (mr_mode_ & FI_MR_ENDPOINT)) {
+        ret = fi_mr_bind(e.mr[slot], &ep_->fid, 0);
+        if (ret == 0) ret = fi_mr_enable(e.mr[slot]);
+      }
+      if (ret != 0) {
+        if (e.mr[slot]) fi_close(&e.mr[slot]->fid);
+        e.mr[slot] = nullptr;
+        g.status = err::Internal(fmt::format("fabric: registering region {} with the provider: {}",
+                                             q.region, fi_error(ret)));
+      } else {
+        e.key[slot] = fi_mr_key(e.mr[slot]);
+      }
+    }
+    if (g.status.ok()) {
+      e.importers.insert(p->id);
+      g.mr_key = e.key[slot];
+      g.base = (mr_mode_ & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(region->info.address) : 0;
+    }
+    if (!e.mr[0] && !e.mr[1]) exported_.erase(it);
+  }
+  return send(p, p->addr, MsgType::kGrant, request, encode_grant(g));
+}
+
+void FabricTransport::release_revoked_regions() {
+  std::vector<std::pair<RegionId, std::vector<PeerId>>> revoked;
+  {
+    std::lock_guard lock(export_mu_);
+    for (auto it = exported_.begin(); it != exported_.end();) {
+      if (!it->second.pin.get()->revoked.load()) {
+        ++it;
+        continue;
+      }
+      for (auto* mr : it->second.mr) {
+        if (mr) fi_close(&mr->fid);
+      }
+      revoked.emplace_back(
+          it->first, std::vector<PeerId>(it->second.importers.begin(), it->second.importers.end()));
+      it = exported_.erase(it);  // drops the pin
+    }
+    for (auto it = local_mrs_.begin(); it != local_mrs_.end();) {
+      if (it->second.region->revoked.load()) {
+        fi_close(&it->second.mr->fid);
+        it = local_mrs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& [region, importers] : revoked) {
+    for (PeerId id : importers) {
+      auto p = live_peer(id);
+      if (p.ok()) (void)send(*p, (*p)->addr, MsgType::kRevoke, 0, encode_u64(region));
+    }
+  }
+}
+
+// --- posting --------------------------------------------------------------------
+
+Op* FabricTransport::take_op() {
+  if (free_ops_.empty()) {
+    ops_.push_back(std::make_unique<Op>());
+    return ops_.back().get();
+  }
+  Op* op = free_ops_.back();
+  free_ops_.pop_back();
+  return op;
+}
+
+void FabricTransport::give_op(Op* op) {
+  op->job.reset();
+  op->peer.reset();
+  op->bytes = 0;
+  op->niov = 0;
+  if (!op->mr) op->buf.clear();
+  free_ops_.push_back(op);
+}
+
+Status FabricTransport::send(const std::shared_ptr<Peer>& p, fi_addr_t addr, MsgType type,
+                             uint64_t request, const Bytes& body) {
+  Bytes bytes = encode(type, ctx_.engine_id, request, body);
+  std::lock_guard lock(post_mu_);
+  return send_locked(p, addr, std::move(bytes), nullptr);
+}
+
+Status FabricTransport::send_locked(const std::shared_ptr<Peer>& p, fi_addr_t addr, Bytes bytes,
+                                    std::shared_ptr<Job> job) {
+  if (!ep_ || stop_.load()) return err::Cancelled("fabric: transport shut down");
+  Op* op = take_op();
+  op->kind = Op::kSend;
+  op->peer = p;
+  op->job = std::move(job);
+  if (op->mr) {
+    fi_close(&op->mr->fid);
+    op->mr = nullptr;
+  }
+  op->buf = std::move(bytes);
+  if (mr_mode_ & FI_MR_LOCAL) {
+    int r = fi_mr_reg(domain_, op->buf.data(), op->buf.size(), FI_SEND, 0, next_key_.fetch_add(1),
+                      0, &op->mr, nullptr);
+    if (r != 0) {
+      give_op(op);
+      return err::Internal("fabric: registering a send buffer: " + fi_error(r));
+    }
+  }
+  op->rma.addr = addr;  // kept for a retry after FI_EAGAIN
+  if (!send_queue_.empty()) {
+    send_queue_.push_back(op);
+    wake();
+    return Status::Ok();
+  }
+  struct iovec iov {
+    op->buf.data(), op->buf.size()
+  };
+  void* desc = op->mr ? fi_mr_desc(op->mr) : nullptr;
+  struct fi_msg msg {};
+  msg.msg_iov = &iov;
+  msg.desc = &desc;
+  msg.iov_count = 1;
+  msg.addr = addr;
+  msg.context = &op->ctx;
+  ssize_t r =
+      fi_sendmsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
+  if (r == -FI_EAGAIN) {
+    send_queue_.push_back(op);
+    wake();
+    return Status::Ok();
+  }
+  if (r != 0) {
+    give_op(op);
+    return err::PeerDisconnected(fmt::format("fabric: {}: fi_send: {}",
+                                             p ? describe(*p) : std::string("peer"),
+                                             fi_error(static_cast<int>(r))));
+  }
+  return Status::Ok();
+}
+
+Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
+                             std::vector<Segment>& segments, bool write) {
+  auto p = live_peer(peer);
+  if (!p.ok()) return p.status();
+  if (write && t->has_notification && t->notification.size() > kMaxNotificationBytes) {
+    return err::InvalidArgument(fmt::format("notification of {} bytes exceeds the limit of {}",
+                                            t->notification.size(), kMaxNotificationBytes));
+  }
+  for (const Segment& s : segments) {
+    if (s.local_device >= 0 || s.remote_device >= 0) {
+      return err::NotSupported("fabric: GPU memory is not carried by this transport");
+    }
+  }
+  auto job = std::make_shared<Job>();
+  job->transfer = t;
+  job->peer = *p;
+  job->write = write;
+  job->keys.resize(segments.size());
+  if (mr_mode_ & FI_MR_LOCAL) job->descs.resize(segments.size());
+  // Keys: one request per descriptor the first time, then a cache hit; a run
+  // of segments on one descriptor looks it up once.
+  const RemoteAccessRequest* last = nullptr;
+  RemoteKey last_key;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const RemoteAccessRequest& r = segments[i].remote;
+    if (!last || key_of(*last) != key_of(r)) {
+      auto k = grant_for(*p, r);
+      if (!k.ok()) {
+        // Refusals are the transfer's result, as tcp reports them.
+        t->complete(k.status());
+        return Status::Ok();
+      }
+      last_key = *k;
+      last = &r;
+    }
+    job->keys[i] = {last_key.mr_key, last_key.base + r.adv_offset + r.offset};
+    if (!job->descs.empty()) {
+      auto d = local_desc(segments[i]);
+      if (!d.ok()) return d.status();
+      job->descs[i] = *d;
+    }
+  }
+  job->segs = std::move(segments);
+  {
+    std::lock_guard lock(post_mu_);
+    if ((*p)->dead.load()) {
+      std::lock_guard plock((*p)->mu);
+      return err::PeerDisconnected(fmt::format("fabric: {}: {}", describe(**p), (*p)->dead_reason));
+    }
+    jobs_[t.get()] = job;
+    queue_.push_back(job);
+    pump_locked();
+    maybe_finish_locked(job);
+  }
+  wake();
+  return Status::Ok();
+}
+
+Status FabricTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                                   std::vector<Segment> segments) {
+  return post(peer, transfer, segments, true);
+}
+
+Status FabricTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                                  std::vector<Segment> segments) {
+  return post(peer, transfer, segments, false);
+}
+
+Status FabricTransport::post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                                          Bytes payload) {
+  if (payload.size() > kMaxNotificationBytes) {
+    return err::InvalidArgument(fmt::format("notification of {} bytes exceeds the limit of {}",
+                                            payload.size(), kMaxNotificationBytes));
+  }
+  transfer->notification = std::move(payload);
+  transfer->has_notification = true;
+  std::vector<Segment> none;
+  return post(peer, transfer, none, true);
+}
+
+// Posts one operation of `job` (several local iovs when consecutive segments
+// continue one remote range); false when the window or the provider is full.
+bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref) {
+  Op* op = take_op();
+  op->kind = Op::kRma;
+  size_t i = job.next;
+  uint64_t off = job.next_off;
+  uint64_t total = 0;
+  const uint64_t key = job.keys[i].mr_key;
+  const uint64_t start = job.keys[i].base + off;
+  op->niov = 0;
+  size_t end_i = i;
+  uint64_t end_off = off;
+  while (end_i < job.segs.size() && op->niov < iov_limit_) {
+    const Segment& s = job.segs[end_i];
+    if (op->niov > 0 && (job.keys[end_i].mr_key != key || job.keys[end_i].base != start + total)) {
+      break;
+    }
+    const uint64_t take = std::min<uint64_t>(s.length - end_off, max_op_bytes_ - total);
+    op->iov[op->niov].iov_base = s.local + end_off;
+    op->iov[op->niov].iov_len = take;
+    op->desc[op->niov] = job.descs.empty() ? nullptr : job.descs[end_i];
+    ++op->niov;
+    total += take;
+    end_off += take;
+    if (end_off == s.length) {
+      ++end_i;
+      end_off = 0;
+    }
+    if (total == max_op_bytes_) break;
+  }
+  op->rma.addr = start;
+  op->rma.len = total;
+  op->rma.key = key;
+  op->bytes = total;
+  op->remote_region = job.segs[i].remote.region_id;
+  struct fi_msg_rma msg {};
+  msg.msg_iov = op->iov;
+  msg.desc = job.descs.empty() ? nullptr : op->desc;
+  msg.iov_count = op->niov;
+  msg.addr = job.peer->addr;
+  msg.rma_iov = &op->rma;
+  msg.rma_iov_count = 1;
+  msg.context = &op->ctx;
+  ssize_t r;
+  if (job.write) {
+    r = fi_writemsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
+  } else {
+    r = fi_readmsg(ep_, &msg, FI_COMPLETION);
+  }
+  if (r == -FI_EAGAIN) {
+    give_op(op);
+    return false;
+  }
+  if (r != 0) {
+    give_op(op);
+    job.stopped = true;
+    if (job.error.ok()) {
+      job.error = err::PeerDisconnected(
+          fmt::format("fabric: {}: posting {} of {} bytes to region {}: {}", describe(*job.peer),
+                      job.write ? "a write" : "a read", total, job.segs[i].remote.region_id,
+                      fi_error(static_cast<int>(r))));
+    }
+    return false;
+  }
+  op->job = ref;
+  job.next = end_i;
+  job.next_off = end_off;
+  ++job.posted;
+  ++inflight_;
+  inflight_bytes_ += total;
+  return true;
+}
+
+void FabricTransport::pump_locked() {
+  if (!ep_) return;
+  // Control messages first, in the order they were queued.
+  while (!send_queue_.empty()) {
+    Op* op = send_queue_.front();
+    struct iovec iov {
+      op->buf.data(), op->buf.size()
+    };
+    void* desc = op->mr ? fi_mr_desc(op->mr) : nullptr;
+    struct fi_msg msg {};
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = op->rma.addr;
+    msg.context = &op->ctx;
+    ssize_t r =
+        fi_sendmsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
+    if (r == -FI_EAGAIN) break;
+    send_queue_.pop_front();
+    if (r != 0)
+      on_completion(op, err::PeerDisconnected("fabric: fi_send: " + fi_error(static_cast<int>(r))));
+  }
+  while (!queue_.empty()) {
+    std::shared_ptr<Job> job = queue_.front();
+    if (job->stopped || job->next >= job->segs.size()) {
+      queue_.pop_front();
+      maybe_finish_locked(job);
+      continue;
+    }
+    if (inflight_ >= opt_.max_inflight || inflight_bytes_ >= opt_.max_inflight_bytes) break;
+    if (!post_one_locked(*job, job)) {
+      if (job->stopped) continue;
+      break;  // FI_EAGAIN: the progress thread retries after completions
+    }
+  }
+}
+
+void FabricTransport::fail_job_locked(const std::shared_ptr<Job>& job, const Status& s) {
+  job->stopped = true;
+  if (job->error.ok()) job->error = s;
+  if (!job->finished) {
+    job->finished = true;
+    job->transfer->complete(job->error);
+    jobs_.erase(job->transfer.get());
+  }
+  job_cv_.notify_all();
+}
+
+void FabricTransport::maybe_finish_locked(const std::shared_ptr<Job>& job) {
+  if (job->finished) return;
+  const bool all_posted = job->stopped || job->next >= job->segs.size();
+  if (!all_posted || job->done != job->posted) return;
+  if (!job->error.ok()) {
+    fail_job_locked(job, job->error);
+    return;
+  }
+  Transfer& t = *job->transfer;
+  if (job->write && t.has_notification && !job->notify_posted) {
+    // Every RMA op of the write has completed (delivery-complete: placed at
+    // the target), so the notification cannot overtake the data.
+    job->notify_posted = true;
+    Status s = send_locked(job->peer, job->peer->addr,
+                           encode(MsgType::kNotify, ctx_.engine_id, t.id(), t.notification), job);
+    if (!s.ok()) fail_job_locked(job, s);
+    return;
+  }
+  if (job->write && t.has_notification) return;  // waits for the NOTIFY send
+  job->finished = true;
+  t.complete(Status::Ok());
+  jobs_.erase(job->transfer.get());
+  job_cv_.notify_all();
+}
+
+void FabricTransport::cancel(Transfer& transfer) {
+  std::unique_lock lock(post_mu_);
+  auto it = jobs_.find(&transfer);
+  if (it == jobs_.end()) return;
+  std::shared_ptr<Job> job = it->second;
+  job->stopped = true;
+  if (job->error.ok()) {
+    job->error = err::Cancelled(fmt::format("transfer {} was cancelled", transfer.id()));
+  }
+  // Ops already handed to the provider cannot be called back: wait until they
+  // complete (or the peer is declared dead, which bounds the wait).
+  job_cv_.wait_for(lock, opt_.peer_timeout + std::chrono::seconds(1),
+                   [&] { return job->done == job->posted || job->peer->dead.load(); });
+  maybe_finish_locked(job);
+}
+
+// --- progress -------------------------------------------------------------------
+
+void FabricTransport::wake() {
+  if (wake_fd_ < 0) return;
+  uint64_t one = 1;
+  [[maybe_unused]] auto w = ::write(wake_fd_, &one, sizeof one);
+}
+
+void FabricTransport::on_completion(Op* op, const Status& error) {
+  // post_mu_ held.
+  if (op->kind == Op::kRma) {
+    --inflight_;
+    inflight_bytes_ -= op->bytes;
+    std::shared_ptr<Job> job = std::move(op->job);
+    const RegionId region = op->remote_region;
+    give_op(op);
+    if (!job) return;
+    ++job->done;
+    if (!error.ok()) {
+      job->stopped = true;
+      if (job->error.ok()) {
+        bool revoked = false;
+        {
+          std::lock_guard plock(job->peer->mu);
+          revoked = job->peer->revoked.count(region) > 0;
+        }
+        job->error =
+            revoked ? err::NotFound(fmt::format(
+                          "fabric: region {} on {} was deregistered during the {}: {}", region,
+                          describe(*job->peer), job->write ? "write" : "read", error.message()))
+                    : error;
+      }
+    }
+    maybe_finish_locked(job);
+    job_cv_.notify_all();
+    return;
+  }
+  if (op->kind == Op::kSend) {
+    std::shared_ptr<Job> job = std::move(op->job);
+    give_op(op);
+    if (!job) return;
+    if (!error.ok()) {
+      fail_job_locked(job, error);
+      return;
+    }
+    job->finished = true;
+    job->transfer->complete(Status::Ok());
+    jobs_.erase(job->transfer.get());
+    job_cv_.notify_all();
+  }
+}
+
+void FabricTransport::progress_loop() {
+  name_this_thread("ferry-fabric");
+  struct fi_cq_data_entry entries[kCqBatch];
+  while (!stop_.load()) {
+    ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
+    if (n > 0) {
+      for (ssize_t i = 0; i < n; ++i) {
+        Op* op = static_cast<Op*>(entries[i].op_context);
+        if (!op) continue;
+        if (op->kind == Op::kRecv) {
+          on_message(op->buf.data(), entries[i].len);
+          std::lock_guard lock(post_mu_);
+          if (ep_ && !stop_.load()) {
+            if (Status s = post_recv(op); !s.ok()) spdlog::error("ferry: {}", s.message());
+          }
+          continue;
+        }
+        std::lock_guard lock(post_mu_);
+        on_completion(op, Status::Ok());
+      }
+      std::lock_guard lock(post_mu_);
+      pump_locked();
+      continue;
+    }
+    if (n == -FI_EAVAIL) {
+      struct fi_cq_err_entry e {};
+      char buf[256] = {};
+      if (fi_cq_readerr(cq_, &e, 0) < 0) continue;
+      Op* op = static_cast<Op*>(e.op_context);
+      const char* text = fi_cq_strerror(cq_, e.prov_errno, e.err_data, buf, sizeof buf);
+      if (!op) continue;
+      if (op->kind == Op::kRecv) {
+        if (e.err == FI_ECANCELED && stop_.load()) continue;
+        spdlog::warn("ferry: fabric: a receive failed: {} ({})", text ? text : "?",
+                     fi_error(e.err));
+        std::lock_guard lock(post_mu_);
+        if (ep_ && !stop_.load()) (void)post_recv(op);
+        continue;
+      }
+      std::lock_guard lock(post_mu_);
+      const std::string who = op->job    ? describe(*op->job->peer)
+                              : op->peer ? describe(*op->peer)
+                                         : std::string("a peer");
+      const std::string what = op->kind == Op::kRma
+                                   ? fmt::format("{} of {} bytes on region {}",
+                                                 op->job && op->job->write ? "write" : "read",
+                                                 op->bytes, op->remote_region)
+                                   : "message";
+      std::string msg = fmt::format("fabric: {} to {} failed: {} (provider: {})", what, who,
+                                    fi_error(e.err), text ? text : "?");
+      on_completion(op, is_disconnect(e.err) ? err::PeerDisconnected(std::move(msg))
+                                             : err::Internal(std::move(msg)));
+      pump_locked();
+      continue;
+    }
+    if (n != -FI_EAGAIN) {
+      spdlog::error("ferry: fabric: fi_cq_read: {}", fi_error(static_cast<int>(n)));
+    }
+    {
+      std::lock_guard lock(post_mu_);
+      pump_locked();
+    }
+    timers();
+    // Nothing completed: sleep on the CQ's wait fd (and our wake-up fd) when
+    // the provider agrees nothing is pending, else poll again.
+    const auto until_ping =
+        std::chrono::duration_cast<std::chrono::milliseconds>(next_ping_ - Clock::now());
+    const int timeout = static_cast<int>(std::clamp<int64_t>(until_ping.count(), 1, 100));
+    struct pollfd fds[2];
+    int nfds = 0;
+    fds[nfds++] = {wake_fd_, POLLIN, 0};
+    if (cq_fd_ >= 0) {
+      struct fid* f = &cq_->fid;
+      if (fi_trywait(fabric_, &f, 1) != 0) continue;  // events pending: read again
+      fds[nfds++] = {cq_fd_, POLLIN, 0};
+    }
+    ::poll(fds, nfds, cq_fd_ >= 0 ? timeout : 1);
+    if (fds[0].revents & POLLIN) {
+      uint64_t v;
+      [[maybe_unused]] auto r = ::read(wake_fd_, &v, sizeof v);
+    }
+  }
+}
+
+void FabricTransport::timers() {
+  const auto now = Clock::now();
+  if (now < next_ping_) return;
+  next_ping_ = now + opt_.peer_timeout / 6;
+  std::vector<std::shared_ptr<Peer>> peers;
+  {
+    std::lock_guard lock(peers_mu_);
+    for (auto& [id, p] : peers_) {
+      if (!p->dead.load()) peers.push_back(p);
+    }
+  }
+  const int64_t t = now_ns();
+  for (auto& p : peers) {
+    const int64_t silent = t - p->last_heard.load();
+    if (silent > std::chrono::duration_cast<std::chrono::nanoseconds>(opt_.peer_timeout).count()) {
+      fail_peer(p, err::PeerDisconnected(fmt::format(
+                       "fabric: {} not heard from for {} ms (fabric.peer_timeout_ms {}): "
+                       "declared dead",
+                       describe(*p), silent / 1000000, opt_.peer_timeout.count())));
+      continue;
+    }
+    (void)send(p, p->addr, MsgType::kPing, 0, {});
+  }
+}
+
+void FabricTransport::fail_peer(const std::shared_ptr<Peer>& p, const Status& reason) {
+  if (p->dead.exchange(true)) return;
+  {
+    std::lock_guard lock(p->mu);
+    p->dead_reason = reason.message();
+    p->grants.clear();
+  }
+  p->cv.notify_all();
+  Status why = reason.code() == StatusCode::kPeerDisconnected
+                   ? reason
+                   : err::PeerDisconnected(reason.message());
+  size_t failed = 0;
+  {
+    std::lock_guard lock(post_mu_);
+    std::vector<std::shared_ptr<Job>> mine;
+    for (auto& [t, j] : jobs_) {
+      if (j->peer == p) mine.push_back(j);
+    }
+    failed = mine.size();
+    for (auto& j : mine) fail_job_locked(j, why);
+  }
+  {
+    std::lock_guard lock(export_mu_);
+    for (auto& [id, e] : exported_) e.importers.erase(p->id);
+  }
+  if (!stop_.load()) {
+    if (failed > 0) {
+      spdlog::warn("ferry: {} ({} transfers failed)", why.message(), failed);
+    } else {
+      spdlog::info("ferry: {}", why.message());
+    }
+    ctx_.events->on_peer_down(p->id, why);
+  }
+}
+
+void FabricTransport::on_message(const uint8_t* data, size_t len) {
+  auto h = decode_header(data, len);
+  if (!h.ok()) {
+    // We cannot tell reliably who sent garbage without a header; drop it.
+    spdlog::warn("ferry: fabric: dropped a malformed message: {}", h.status().message());
+    return;
+  }
+  Status s = handle(*h, ByteView(data + kHeaderBytes, h->body_bytes));
+  if (!s.ok()) {
+    std::shared_ptr<Peer> p;
+    {
+      std::lock_guard lock(peers_mu_);
+      auto it = peers_.find(h->sender);
+      if (it != peers_.end()) p = it->second;
+    }
+    if (p) {
+      fail_peer(p, Status(s.code(), fmt::format("fabric: {} sent a bad {}: {}", describe(*p),
+                                                msg_type_name(h->type), s.message())));
+    } else {
+      spdlog::warn("ferry: fabric: bad {} from engine {}: {}", msg_type_name(h->type),
+                   hex_id(h->sender), s.message());
+    }
+  }
+}
+
+Status FabricTransport::handle(const Header& h, ByteView body) {
+  const auto type = static_cast<MsgType>(h.type);
+  if (type == MsgType::kHello) {
+    auto hello = decode_hello(body);
+    if (!hello.ok()) return hello.status();
+    fi_addr_t addr = FI_ADDR_UNSPEC;
+    if (fi_av_insert(av_, hello->address.data(), 1, &addr, 0, nullptr) != 1) {
+      return err::ProtocolError("fabric: HELLO carries an address the provider rejects");
+    }
+    char text[256] = {};
+    size_t tlen = sizeof text;
+    fi_av_straddr(av_, hello->address.data(), text, &tlen);
+    auto p = std::make_shared<Peer>();
+    p->id = h.sender;
+    p->addr = addr;
+    p->via = text;
+    p->last_heard.store(now_ns());
+    Status verdict;
+    if (hello->protocol != kProtocolVersion) {
+      verdict = err::ProtocolError(
+          fmt::format("protocol version mismatch: engine {} speaks {}, this engine {} speaks {}",
+                      hex_id(h.sender), hello->protocol, hex_id(ctx_.engine_id), kProtocolVersion));
+    } else if (hello->expected != 0 && hello->expected != ctx_.engine_id) {
+      verdict = err::NotFound(fmt::format("this is engine {}, not {}", hex_id(ctx_.engine_id),
+                                          hex_id(hello->expected)));
+    } else if (hello->provider != info_->fabric_attr->prov_name) {
+      verdict = err::NotSupported(fmt::format("provider '{}' here, '{}' there",
+                                              info_->fabric_attr->prov_name, hello->provider));
+    }
+    bool fresh = false;
+    if (verdict.ok()) {
+      std::lock_guard lock(peers_mu_);
+      auto it = peers_.find(h.sender);
+      if (it == peers_.end() || it->second->dead.load()) {
+        peers_[h.sender] = p;
+        fresh = true;
+      } else {
+        p = it->second;
+        p->last_heard.store(now_ns());
+      }
+    }
+    (void)send(p, addr, MsgType::kHelloAck, h.request, encode_status(verdict));
+    if (fresh) ctx_.events->on_peer_up(h.sender);
+    return Status::Ok();
+  }
+  if (type == MsgType::kHelloAck) {
+    Status answer;
+    if (Status s = decode_status(body, &answer); !s.ok()) return s;
+    std::lock_guard lock(peers_mu_);
+    auto it = connect_waits_.find(h.request);
+    if (it != connect_waits_.end()) {
+      it->second.done = true;
+      it->second.peer = h.sender;
+      it->second.status = answer;
+      connect_cv_.notify_all();
+    }
+    return Status::Ok();
+  }
+  std::shared_ptr<Peer> p;
+  {
+    std::lock_guard lock(peers_mu_);
+    auto it = peers_.find(h.sender);
+    if (it != peers_.end() && !it->second->dead.load()) p = it->second;
+  }
+  if (!p) {
+    // A late message of a peer declared dead, or one that never said HELLO.
+    spdlog::debug("fabric: {} from unknown engine {} dropped", msg_type_name(h.type),
+                  hex_id(h.sender));
+    return Status::Ok();
+  }
+  p->last_heard.store(now_ns());
+  switch (type) {
+    case MsgType::kGrantReq: {
+      auto q = decode_grant_req(body);
+      if (!q.ok()) return q.status();
+      return serve_grant(p, h.request, *q);
+    }
+    case MsgType::kGrant: {
+      auto g = decode_grant(body);
+      if (!g.ok()) return g.status();
+      std::lock_guard lock(p->mu);
+      auto it = p->grant_waits.find(h.request);
+      if (it == p->grant_waits.end()) return Status::Ok();  // timed out meanwhile
+      it->second.done = true;
+      it->second.grant = *g;
+      p->cv.notify_all();
+      return Status::Ok();
+    }
+    case MsgType::kRevoke: {
+      auto region = decode_u64(body, "REVOKE");
+      if (!region.ok()) return region.status();
+      std::lock_guard lock(p->mu);
+      for (auto it = p->grants.begin(); it != p->grants.end();) {
+        it = std::get<0>(it->first) == *region ? p->grants.erase(it) : std::next(it);
+      }
+      p->revoked.insert(*region);
+      return Status::Ok();
+    }
+    case MsgType::kNotify:
+      ctx_.events->on_notification(p->id, Bytes(body.begin(), body.end()));
+      return Status::Ok();
+    case MsgType::kPing:
+      (void)send(p, p->addr, MsgType::kPong, h.request, {});
+      return Status::Ok();
+    case MsgType::kPong:
+      return Status::Ok();
+    case MsgType::kBye:
+      if (!body.empty()) return err::ProtocolError("fabric: BYE has a body");
+      fail_peer(
+          p, err::PeerDisconnected(fmt::format("fabric: {} shut down its engine", describe(*p))));
+      return Status::Ok();
+    default:
+      return err::ProtocolError(fmt::format("fabric: unexpected {}", msg_type_name(h.type)));
+  }
+}
+
+}  // namespace ferry::fabric

@@ -1,0 +1,274 @@
+// The fabric transport: libfabric reliable-datagram endpoints (FI_EP_RDM)
+// with one-sided RMA, for RDMA-class fabrics (cxi, efa, verbs;ofi_rxm) and,
+// for testing here, tcp;ofi_rxm. libfabric is opened with dlopen
+// (fabric.library); without it, or without a provider offering
+// FI_EP_RDM + FI_RMA + FI_MSG, start() answers NotSupported and the engine
+// runs on its other transports.
+//
+// One endpoint, one completion queue and one address vector per engine.
+// Control messages (handshake, grants, revocations, notifications,
+// keepalives) are untagged sends on the same endpoint (fabric_wire.h).
+//
+// Keys without touching the descriptor: before its first operation on a
+// peer's descriptor the initiator sends GRANT_REQ (region, advertised range,
+// key, access); the target runs RegionRegistry::check_remote over the whole
+// advertised range with the claimed access, registers the region with the
+// provider once per (region, access) -- a read-only descriptor gets a key
+// that only allows remote reads -- and answers with the provider key and
+// the base of the address form the provider wants (virtual address under
+// FI_MR_VIRT_ADDR, offsets otherwise). The target holds a RegionPin per
+// registered region; deregistration revokes the region,
+// release_revoked_regions() closes its provider registrations at once, drops
+// the pin and tells the importers (REVOKE), which drop the key: later
+// operations ask again and are refused with NotFound.
+//
+// One progress thread per engine reads the CQ (manual progress: reading is
+// what moves the bytes for software providers) and sleeps on the CQ's wait
+// fd when nothing happens. Operations go out in a bounded window
+// (fabric.max_inflight operations, fabric.max_inflight_bytes bytes);
+// batches larger than the window queue and are posted as completions free
+// room, without per-iov allocation. A peer that has not been heard from for
+// fabric.peer_timeout_ms (keepalive PING/PONG) is declared dead and every
+// transfer to it fails with PeerDisconnected. docs/fabric.md has the rest.
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_rma.h>
+#include <sys/uio.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "transport/fabric/fabric_wire.h"
+#include "transport/transport.h"
+
+namespace ferry::fabric {
+
+extern const OptionSpec kFabricOptionSpecs[];
+extern const size_t kFabricOptionSpecCount;
+
+// The few exported symbols of libfabric; everything else is an inline call
+// through the objects' operation tables.
+struct Api {
+  void* handle = nullptr;
+  int (*getinfo)(uint32_t, const char*, const char*, uint64_t, const struct fi_info*,
+                 struct fi_info**) = nullptr;
+  void (*freeinfo)(struct fi_info*) = nullptr;
+  struct fi_info* (*dupinfo)(const struct fi_info*) = nullptr;
+  int (*fabric)(struct fi_fabric_attr*, struct fid_fabric**, void*) = nullptr;
+  const char* (*strerror)(int) = nullptr;
+  uint32_t (*version)() = nullptr;
+};
+
+struct FabricOptions {
+  std::string library = "libfabric.so.1";
+  std::string provider;
+  std::string domain;
+  uint32_t max_inflight = 256;
+  uint64_t max_inflight_bytes = 64ull << 20;
+  std::chrono::milliseconds connect_timeout{5000};
+  std::chrono::milliseconds grant_timeout{10000};
+  std::chrono::milliseconds peer_timeout{1500};
+};
+
+// The descriptor a grant was made for.
+using GrantKey = std::tuple<RegionId, uint64_t, uint64_t, uint64_t, uint8_t>;
+struct RemoteKey {
+  uint64_t mr_key = 0;
+  uint64_t base = 0;
+};
+
+struct Job;
+
+struct Peer {
+  PeerId id = 0;
+  fi_addr_t addr = FI_ADDR_UNSPEC;
+  std::string via;
+  std::atomic<bool> dead{false};
+  std::atomic<int64_t> last_heard{0};  // steady_clock nanoseconds
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::string dead_reason;  // under mu
+  std::map<GrantKey, RemoteKey> grants;
+  std::unordered_set<RegionId> revoked;  // regions the peer told us are gone
+  struct GrantWait {
+    bool done = false;
+    Grant grant;
+  };
+  std::unordered_map<uint64_t, GrantWait> grant_waits;
+};
+
+// One posted provider operation (an RMA op, a send or a receive). The
+// fi_context2 is first: the completion's op_context is the Op.
+struct Op {
+  static constexpr size_t kMaxIov = 8;
+  struct fi_context2 ctx;
+  enum Kind : uint8_t { kRma, kSend, kRecv } kind = kRma;
+  std::shared_ptr<Job> job;
+  std::shared_ptr<Peer> peer;
+  Bytes buf;                    // send / receive bytes
+  struct fid_mr* mr = nullptr;  // buf's registration (FI_MR_LOCAL only)
+  uint64_t bytes = 0;           // RMA payload bytes
+  RegionId remote_region = 0;
+  size_t niov = 0;
+  struct iovec iov[kMaxIov];
+  void* desc[kMaxIov];
+  struct fi_rma_iov rma;
+};
+
+struct Job {
+  std::shared_ptr<Transfer> transfer;
+  std::shared_ptr<Peer> peer;
+  bool write = true;
+  std::vector<Segment> segs;
+  std::vector<RemoteKey> keys;  // per segment: key and remote address of byte 0
+  std::vector<void*> descs;     // per segment (FI_MR_LOCAL only)
+  size_t next = 0;              // next segment to post
+  uint64_t next_off = 0;        // bytes of it already posted
+  uint64_t posted = 0, done = 0;
+  bool stopped = false;  // no more posting (failed, cancelled, peer dead)
+  bool notify_posted = false;
+  bool finished = false;
+  Status error;
+};
+
+class FabricTransport final : public Transport {
+ public:
+  FabricTransport() = default;
+  ~FabricTransport() override;
+
+  std::string_view name() const override { return "fabric"; }
+  TransportCaps capabilities() const override;
+  Status start(const TransportContext& context) override;
+  void shutdown(const Status& reason) override;
+  Bytes local_address() const override;
+  std::string local_address_text() const override;
+  Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) override;
+  bool is_connected(PeerId peer) const override;
+  std::string peer_address(PeerId peer) const override;
+  Status post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                    std::vector<Segment> segments) override;
+  Status post_read(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                   std::vector<Segment> segments) override;
+  Status post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
+                           Bytes payload) override;
+  void cancel(Transfer& transfer) override;
+  void release_revoked_regions() override;
+
+ private:
+  struct Exported {
+    RegionPin pin;
+    struct fid_mr* mr[2] = {nullptr, nullptr};  // [0] read-only, [1] read-write
+    uint64_t key[2] = {0, 0};
+    std::unordered_set<PeerId> importers;
+  };
+  struct ConnectWait {
+    bool done = false;
+    PeerId peer = 0;
+    Status status;
+  };
+
+  Status load_library();
+  Status open_fabric();
+  std::string fi_error(int ret) const;
+
+  Status post(PeerId peer, const std::shared_ptr<Transfer>& t, std::vector<Segment>& segments,
+              bool write);
+  Result<std::shared_ptr<Peer>> live_peer(PeerId peer) const;
+  Result<RemoteKey> grant_for(const std::shared_ptr<Peer>& p, const RemoteAccessRequest& r);
+  Result<void*> local_desc(const Segment& s);
+
+  // post_mu_ held:
+  Op* take_op();
+  void give_op(Op* op);
+  void pump_locked();
+  bool post_one_locked(Job& job, const std::shared_ptr<Job>& ref);
+  void maybe_finish_locked(const std::shared_ptr<Job>& job);
+  Status send_locked(const std::shared_ptr<Peer>& p, fi_addr_t addr, Bytes bytes,
+                     std::shared_ptr<Job> job);
+  void fail_job_locked(const std::shared_ptr<Job>& job, const Status& s);
+
+  Status send(const std::shared_ptr<Peer>& p, fi_addr_t addr, MsgType type, uint64_t request,
+              const Bytes& body);
+
+  // progress thread
+  void progress_loop();
+  void on_completion(Op* op, const Status& error);
+  void on_message(const uint8_t* data, size_t len);
+  Status handle(const Header& h, ByteView body);
+  Status serve_grant(const std::shared_ptr<Peer>& p, uint64_t request, const GrantReq& q);
+  void timers();
+  void fail_peer(const std::shared_ptr<Peer>& p, const Status& reason);
+  void wake();
+  Status post_recv(Op* op);
+
+  std::string describe(const Peer& p) const;
+
+  TransportContext ctx_;
+  FabricOptions opt_;
+  Api api_;
+  struct fi_info* info_ = nullptr;
+  struct fid_fabric* fabric_ = nullptr;
+  struct fid_domain* domain_ = nullptr;
+  struct fid_ep* ep_ = nullptr;
+  struct fid_cq* cq_ = nullptr;
+  struct fid_av* av_ = nullptr;
+  int cq_fd_ = -1;
+  int wake_fd_ = -1;
+  Bytes ep_name_;
+  Bytes address_;
+  std::string address_text_;
+  uint64_t mr_mode_ = 0;
+  bool delivery_complete_ = false;
+  size_t iov_limit_ = 1;
+  uint64_t max_op_bytes_ = 8ull << 20;
+  std::atomic<uint64_t> next_key_{1};
+  std::atomic<uint64_t> next_request_{1};
+
+  std::thread progress_;
+  std::atomic<bool> stop_{false};
+  bool started_ = false;
+  bool stopped_ = false;
+  std::mutex life_mu_;
+
+  mutable std::mutex peers_mu_;
+  std::unordered_map<PeerId, std::shared_ptr<Peer>> peers_;
+  std::mutex connect_mu_;
+  std::unordered_map<uint64_t, ConnectWait> connect_waits_;  // under peers_mu_
+  std::condition_variable connect_cv_;                       // with peers_mu_
+
+  std::mutex export_mu_;
+  std::unordered_map<RegionId, Exported> exported_;
+  struct LocalMr {
+    std::shared_ptr<Region> region;
+    struct fid_mr* mr = nullptr;
+  };
+  std::unordered_map<RegionId, LocalMr> local_mrs_;  // FI_MR_LOCAL only, under export_mu_
+
+  std::mutex post_mu_;
+  std::condition_variable job_cv_;  // with post_mu_: a job's op completed
+  std::vector<std::unique_ptr<Op>> ops_;
+  std::vector<Op*> free_ops_;
+  std::deque<std::shared_ptr<Job>> queue_;  // jobs with segments still to post
+  std::unordered_map<Transfer*, std::shared_ptr<Job>> jobs_;
+  std::deque<Op*> send_queue_;  // sends the provider answered EAGAIN to, in order
+  uint64_t inflight_ = 0, inflight_bytes_ = 0;
+  std::vector<Op*> recvs_;
+
+  std::chrono::steady_clock::time_point next_ping_{};
+};
+
+}  // namespace ferry::fabric

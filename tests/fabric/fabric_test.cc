@@ -1,0 +1,377 @@
+// The fabric transport (libfabric, tested with tcp;ofi_rxm) between real
+// processes: every operation with random layouts and every byte checked,
+// batch sizes 1 ... 100,000, refusals, notification after data, a peer
+// killed mid-transfer, two network namespaces, and the library missing.
+// Skipped with the reason when fabric cannot start here (no libfabric).
+#include <signal.h>
+#include <unistd.h>
+
+#include <random>
+
+#include "../integration/fixture.h"
+#include "transport/fabric/fabric_wire.h"
+
+namespace ferry::itest {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+const std::vector<std::string> kPeerFabric = {"engine.transports=fabric,tcp"};
+
+std::map<std::string, std::string> FabricOptions() {
+  return {{"engine.transports", "fabric,tcp"}};
+}
+
+// Why fabric cannot run here, or empty.
+std::string FabricUnavailable() {
+  EngineConfig c;
+  c.listen = "127.0.0.1:0";
+  c.options = {{"engine.transports", "fabric"}};
+  auto e = Engine::create(c);
+  if (!e.ok()) return e.status().to_string();
+  return {};
+}
+
+#define SKIP_WITHOUT_FABRIC()                                            \
+  do {                                                                   \
+    static const std::string why = FabricUnavailable();                  \
+    if (!why.empty()) GTEST_SKIP() << "fabric cannot run here: " << why; \
+  } while (0)
+
+uint64_t RandomSeed() {
+  static std::random_device rd;
+  return (uint64_t{rd()} << 32) | rd();
+}
+
+class FabricTest : public ::testing::Test {
+ protected:
+  void Start(uint64_t size) {
+    size_ = size;
+    peer_ = StartPeer({.size = size, .seed = 77, .engine_options = kPeerFabric});
+    ASSERT_TRUE(peer_);
+    engine_ = MakeEngine(FabricOptions());
+    ASSERT_TRUE(engine_);
+    auto p = engine_->connect(ByteView(peer_->metadata));
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    pid_ = *p;
+    local_ = std::make_unique<LocalBuffer>(*engine_, size);
+  }
+  void SetUp() override { SKIP_WITHOUT_FABRIC(); }
+
+  uint64_t size_ = 0;
+  std::unique_ptr<TestPeer> peer_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<LocalBuffer> local_;
+  PeerId pid_ = 0;
+};
+
+TEST_F(FabricTest, CarriesHostMemoryAndSaysSo) {
+  Start(1 << 20);
+  auto routes = engine_->peer_transports(pid_);
+  ASSERT_TRUE(routes.ok()) << routes.status().to_string();
+  bool fabric_host = false;
+  for (const auto& r : *routes) {
+    if (r.transport == "fabric") {
+      EXPECT_TRUE(r.connected);
+      fabric_host = r.carries.find("host memory") != std::string::npos;
+      EXPECT_NE(r.reason.find("carries no GPU memory"), std::string::npos) << r.reason;
+    }
+  }
+  EXPECT_TRUE(fabric_host);
+  bool shown = false;
+  for (const auto& t : engine_->transports()) {
+    if (t.name == "fabric") {
+      shown = t.running && t.detail.find("mr_mode") != std::string::npos;
+      std::printf("fabric: %s\n", t.detail.c_str());
+    }
+  }
+  EXPECT_TRUE(shown);
+  EXPECT_EQ(peer_->Command("carriers " + Hex64(engine_->id())).substr(0, 9), "OK fabric");
+}
+
+// Random non-overlapping iovs over [0, size): local offset = remote offset.
+std::vector<std::pair<uint64_t, uint64_t>> Layout(size_t n, uint64_t size, std::mt19937_64& rng) {
+  const uint64_t slot = size / n;
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t len = 1 + rng() % slot;
+    const uint64_t off = i * slot + rng() % (slot - len + 1);
+    out.emplace_back(off, len);
+  }
+  std::shuffle(out.begin(), out.end(), rng);
+  return out;
+}
+
+TEST_F(FabricTest, WriteAndReadEveryBatchSize) {
+  constexpr uint64_t kSize = 8 << 20;
+  Start(kSize);
+  const uint64_t seed = RandomSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> expect(kSize);
+  FillPattern(77, 0, expect.data(), kSize);
+  for (size_t n : {size_t{1}, size_t{7}, size_t{256}, size_t{1000}, size_t{100000}}) {
+    SCOPED_TRACE("batch of " + std::to_string(n));
+    auto layout = Layout(n, kSize, rng);
+    const uint64_t wseed = rng();
+    FillPattern(wseed, 0, local_->data(), kSize);
+    std::vector<LocalIov> l;
+    std::vector<RemoteIov> r;
+    for (auto [off, len] : layout) {
+      l.push_back({local_->data() + off, len});
+      r.push_back({&peer_->rw, off, len});
+      FillPattern(wseed, off, expect.data() + off, len);
+    }
+    const auto t0 = Clock::now();
+    Status s = engine_->write(pid_, l, r, std::nullopt, 120s);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    std::printf("write of %zu iovs: %.1f ms\n", n, ms);
+    ASSERT_EQ(peer_->Checksum(0, kSize), HashBytes(expect.data(), kSize));
+    // Read the same iovs back into zeroed memory: covered bytes hold what
+    // the target holds, the gaps stay zero.
+    std::memset(local_->data(), 0, kSize);
+    s = engine_->read(pid_, l, r, 120s);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    std::vector<uint8_t> want(kSize, 0);
+    for (auto [off, len] : layout) std::memcpy(want.data() + off, expect.data() + off, len);
+    ASSERT_EQ(HashBytes(local_->data(), kSize), HashBytes(want.data(), kSize));
+  }
+}
+
+TEST_F(FabricTest, LargeWritesAndReadsAndManyInFlight) {
+  constexpr uint64_t kSize = 32 << 20;
+  Start(kSize);
+  const uint64_t seed = RandomSeed();
+  FillPattern(seed, 0, local_->data(), kSize);
+  LocalIov l{local_->data(), kSize};
+  RemoteIov r{&peer_->rw, 0, kSize};
+  Status s = engine_->write(pid_, {&l, 1}, {&r, 1}, std::nullopt, 60s);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(peer_->Checksum(0, kSize), PatternHash(seed, 0, kSize));
+  // 64 async writes of 512 KiB at once (more than the op window of 16), then
+  // reads of each piece.
+  auto e = MakeEngine({{"engine.transports", "fabric,tcp"}, {"fabric.max_inflight", "16"}});
+  ASSERT_TRUE(e);
+  auto pid = e->connect(ByteView(peer_->metadata));
+  ASSERT_TRUE(pid.ok());
+  LocalBuffer mine(*e, kSize);
+  const uint64_t seed2 = RandomSeed();
+  FillPattern(seed2, 0, mine.data(), kSize);
+  std::vector<TransferId> ids;
+  std::vector<LocalIov> ls(64);
+  std::vector<RemoteIov> rs(64);
+  for (int i = 0; i < 64; ++i) {
+    ls[i] = {mine.data() + i * (kSize / 64), kSize / 64};
+    rs[i] = {&peer_->rw, i * (kSize / 64), kSize / 64};
+    auto id = e->write_async(*pid, {&ls[i], 1}, {&rs[i], 1});
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    ids.push_back(*id);
+  }
+  for (TransferId id : ids) ASSERT_TRUE(e->wait(id, 60s).ok());
+  ASSERT_EQ(peer_->Checksum(0, kSize), PatternHash(seed2, 0, kSize));
+  std::memset(mine.data(), 0, kSize);
+  ids.clear();
+  for (int i = 0; i < 64; ++i) {
+    auto id = e->read_async(*pid, {&ls[i], 1}, {&rs[i], 1});
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    ids.push_back(*id);
+  }
+  for (TransferId id : ids) ASSERT_TRUE(e->wait(id, 60s).ok());
+  EXPECT_TRUE(MatchesPattern(seed2, 0, mine.data(), kSize));
+}
+
+TEST_F(FabricTest, NotificationArrivesAfterAllData) {
+  constexpr uint64_t kSize = 16 << 20;
+  Start(kSize);
+  constexpr int kCount = 12;
+  ASSERT_EQ(peer_->Command("watch " + std::to_string(kCount) + " 60000", 5s), "WATCHING");
+  std::mt19937_64 rng(RandomSeed());
+  uint64_t at = 0;  // disjoint ranges: the peer checks each one when its note arrives
+  for (int i = 0; i < kCount; ++i, at += std::min<uint64_t>(kSize, uint64_t{1} << (i * 2))) {
+    // Sizes from 1 byte to 16 MiB, many iovs for some.
+    const uint64_t len = i == 0 ? 1 : std::min<uint64_t>(kSize, uint64_t{1} << (i * 2));
+    const uint64_t seed = rng();
+    ASSERT_LE(at + len, kSize);
+    FillPattern(seed, 0, local_->data(), len);
+    std::vector<LocalIov> l;
+    std::vector<RemoteIov> r;
+    const uint64_t piece = std::max<uint64_t>(1, len / 64);
+    for (uint64_t off = 0; off < len; off += piece) {
+      const uint64_t n = std::min(piece, len - off);
+      l.push_back({local_->data() + off, n});
+      r.push_back({&peer_->rw, at + off, n});
+    }
+    const std::string note =
+        std::to_string(at) + " " + std::to_string(len) + " " + Hex64(PatternHash(seed, 0, len));
+    auto id = engine_->write_async(
+        pid_, l, r, ByteView(reinterpret_cast<const uint8_t*>(note.data()), note.size()));
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    ASSERT_TRUE(engine_->wait(*id, 60s).ok());
+  }
+  const std::string done = peer_->process().ReadLine(60s).value_or("");
+  EXPECT_EQ(done,
+            "OK received=" + std::to_string(kCount) + " good=" + std::to_string(kCount) + " bad=0");
+  // A standalone notification.
+  const char text[] = "standalone";
+  ASSERT_TRUE(engine_->notify(pid_, ByteView(reinterpret_cast<const uint8_t*>(text), 10)).ok());
+  EXPECT_NE(peer_->Command("notifications 1 5000")
+                .find(ToHex(reinterpret_cast<const uint8_t*>(text), 10)),
+            std::string::npos);
+}
+
+TEST_F(FabricTest, RefusalsNameTheRegion) {
+  constexpr uint64_t kSize = 1 << 20;
+  Start(kSize);
+  const uint64_t original = PatternHash(77, 0, kSize);
+  auto write = [&](const RemoteDescriptor& d, uint64_t off, uint64_t len) {
+    LocalIov l{local_->data(), len};
+    RemoteIov r{&d, off, len};
+    return engine_->write(pid_, {&l, 1}, {&r, 1}, std::nullopt, 30s);
+  };
+  auto read = [&](const RemoteDescriptor& d, uint64_t off, uint64_t len) {
+    LocalIov l{local_->data(), len};
+    RemoteIov r{&d, off, len};
+    return engine_->read(pid_, {&l, 1}, {&r, 1}, 30s);
+  };
+  FillPattern(5, 0, local_->data(), kSize);
+  RemoteDescriptor bad = peer_->rw;
+  bad.key ^= 1;
+  Status s = write(bad, 0, 4096);
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  EXPECT_TRUE(NamesRegion(s, peer_->region)) << s.to_string();
+  s = read(bad, 0, 4096);
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  RemoteDescriptor wider = peer_->sub;
+  wider.length += 4096;
+  s = write(wider, 0, 16);
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  s = write(peer_->ro, 0, 4096);
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  s = write(peer_->rw, kSize - 10, 20);
+  EXPECT_EQ(s.code(), StatusCode::kOutOfRange) << s.to_string();
+  EXPECT_EQ(peer_->Checksum(0, kSize), original) << "refused operations changed the target";
+  // A read-only grant works for reads.
+  ASSERT_TRUE(read(peer_->ro, 0, 4096).ok());
+  EXPECT_TRUE(MatchesPattern(77, 0, local_->data(), 4096));
+  // Used once (key cached here), then deregistered: refused, naming it.
+  ASSERT_TRUE(write(peer_->rw, 0, 4096).ok());
+  ASSERT_EQ(peer_->Command("dereg"), "OK");
+  const uint64_t after = *peer_->Checksum(0, kSize);
+  s = write(peer_->rw, 0, 4096);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.to_string();
+  EXPECT_TRUE(NamesRegion(s, peer_->region)) << s.to_string();
+  s = read(peer_->ro, 0, 4096);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.to_string();
+  EXPECT_EQ(peer_->Checksum(0, kSize), after) << "a write after deregistration landed";
+}
+
+TEST_F(FabricTest, PeerKilledMidTransferFailsWithin2s) {
+  constexpr uint64_t kSize = 64 << 20;
+  Start(kSize);
+  auto bystander = StartPeer({.size = 1 << 20, .seed = 3, .engine_options = kPeerFabric});
+  ASSERT_TRUE(bystander);
+  auto bid = engine_->connect(ByteView(bystander->metadata));
+  ASSERT_TRUE(bid.ok());
+  LocalIov l{local_->data(), kSize};
+  RemoteIov r{&peer_->rw, 0, kSize};
+  std::vector<TransferId> ids;
+  for (int i = 0; i < 24; ++i) {
+    auto id = i % 4 == 3 ? engine_->read_async(pid_, {&l, 1}, {&r, 1})
+                         : engine_->write_async(pid_, {&l, 1}, {&r, 1});
+    ASSERT_TRUE(id.ok());
+    ids.push_back(*id);
+  }
+  ASSERT_TRUE(engine_->wait(ids[0], 60s).ok());
+  ASSERT_EQ(engine_->test(ids.back()).code(), StatusCode::kInProgress);
+  peer_->process().Kill(SIGKILL);
+  const auto killed = Clock::now();
+  for (size_t i = 1; i < ids.size(); ++i) {
+    Status s = engine_->wait(ids[i], 10s);
+    if (s.ok()) continue;  // finished before the kill
+    EXPECT_EQ(s.code(), StatusCode::kPeerDisconnected) << s.to_string();
+  }
+  const double s_taken = std::chrono::duration<double>(Clock::now() - killed).count();
+  std::printf("all transfers done %.2f s after the kill\n", s_taken);
+  EXPECT_LT(s_taken, 2.0);
+  // Other peers are still served.
+  LocalBuffer small(*engine_, 1 << 20);
+  FillPattern(9, 0, small.data(), 1 << 20);
+  LocalIov sl{small.data(), 1 << 20};
+  RemoteIov sr{&bystander->rw, 0, 1 << 20};
+  Status s = engine_->write(*bid, {&sl, 1}, {&sr, 1}, std::nullopt, 30s);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(bystander->Checksum(0, 1 << 20), PatternHash(9, 0, 1 << 20));
+}
+
+TEST(FabricUnavailable, MissingLibraryLeavesTcpWorking) {
+  auto e = MakeEngine(
+      {{"fabric.library", "/nonexistent/libfabric.so.1"}, {"engine.transports", "auto"}});
+  ASSERT_TRUE(e);
+  bool reported = false;
+  for (const auto& t : e->transports()) {
+    if (t.name == "fabric") {
+      EXPECT_FALSE(t.running);
+      reported = t.detail.find("/nonexistent/libfabric.so.1") != std::string::npos;
+      std::printf("fabric: %s\n", t.detail.c_str());
+    }
+  }
+  EXPECT_TRUE(reported);
+  // Named explicitly, it is an error at create, with the reason.
+  EngineConfig c;
+  c.listen = "127.0.0.1:0";
+  c.options = {{"fabric.library", "/nonexistent/libfabric.so.1"},
+               {"engine.transports", "fabric,tcp"}};
+  auto named = Engine::create(c);
+  ASSERT_FALSE(named.ok());
+  EXPECT_NE(named.status().message().find("/nonexistent/libfabric.so.1"), std::string::npos);
+  // tcp carries the data.
+  auto peer = StartPeer({.size = 1 << 20, .seed = 4, .engine_options = kPeerFabric});
+  ASSERT_TRUE(peer);
+  auto pid = e->connect(ByteView(peer->metadata));
+  ASSERT_TRUE(pid.ok()) << pid.status().to_string();
+  LocalBuffer buf(*e, 1 << 20);
+  FillPattern(8, 0, buf.data(), 1 << 20);
+  LocalIov l{buf.data(), 1 << 20};
+  RemoteIov r{&peer->rw, 0, 1 << 20};
+  ASSERT_TRUE(e->write(*pid, {&l, 1}, {&r, 1}, std::nullopt, 30s).ok());
+  EXPECT_EQ(peer->Checksum(0, 1 << 20), PatternHash(8, 0, 1 << 20));
+}
+
+TEST(FabricWire, MalformedMessagesAreProtocolErrors) {
+  using namespace ferry::fabric;
+  Bytes ok = encode(MsgType::kPing, 7, 1, {});
+  EXPECT_TRUE(decode_header(ok.data(), ok.size()).ok());
+  EXPECT_EQ(decode_header(ok.data(), 10).status().code(), StatusCode::kProtocolError);
+  Bytes bad = ok;
+  bad[0] ^= 1;
+  EXPECT_EQ(decode_header(bad.data(), bad.size()).status().code(), StatusCode::kProtocolError);
+  bad = ok;
+  bad[5] = 200;  // type
+  EXPECT_EQ(decode_header(bad.data(), bad.size()).status().code(), StatusCode::kProtocolError);
+  bad = encode(MsgType::kNotify, 7, 1, Bytes(10));
+  bad[24] = 11;  // body length beyond what arrived
+  EXPECT_EQ(decode_header(bad.data(), bad.size()).status().code(), StatusCode::kProtocolError);
+  Bytes g = encode_grant_req({1, 2, 3, 4, 3});
+  EXPECT_TRUE(decode_grant_req(g).ok());
+  g.pop_back();
+  EXPECT_EQ(decode_grant_req(g).status().code(), StatusCode::kProtocolError);
+  g.push_back(3);
+  g.push_back(0);
+  EXPECT_EQ(decode_grant_req(g).status().code(), StatusCode::kProtocolError);
+  Bytes h = encode_hello({1, 0, "tcp;ofi_rxm", Bytes(16, 1)});
+  EXPECT_TRUE(decode_hello(h).ok());
+  h[h.size() - 17] = 0xff;  // address length
+  EXPECT_EQ(decode_hello(h).status().code(), StatusCode::kProtocolError);
+  Bytes gr = encode_grant({err::NotFound("region 5"), 1, 2});
+  auto back = decode_grant(gr);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->status.code(), StatusCode::kNotFound);
+  gr[0] = 250;
+  EXPECT_EQ(decode_grant(gr).status().code(), StatusCode::kProtocolError);
+}
+
+}  // namespace
+}  // namespace ferry::itest
