@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -89,13 +90,18 @@ std::pair<double, double> latency(Side& s, uint8_t* local, uint64_t bytes, int i
 
 // GB/s of `calls` calls of `n` blocks of `block` bytes, `depth` in flight.
 // *post_us_per_call: time spent inside write_async per call (the host's part).
+// `scattered`: the remote blocks in a shuffled order (pages of a KV cache),
+// so no two iovs are adjacent on both sides and none is merged.
 double throughput(Side& s, uint8_t* local, uint64_t block, size_t n, int depth, int calls,
-                  double* post_us_per_call = nullptr) {
+                  bool scattered, double* post_us_per_call = nullptr) {
   std::vector<LocalIov> l(n);
   std::vector<RemoteIov> r(n);
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  if (scattered) std::shuffle(order.begin(), order.end(), std::mt19937_64(42));
   for (size_t i = 0; i < n; ++i) {
     l[i] = {local + i * block, block};
-    r[i] = {&s.desc, i * block, block};
+    r[i] = {&s.desc, order[i] * block, block};
   }
   std::vector<TransferId> window;
   const auto t0 = Clock::now();
@@ -194,22 +200,25 @@ int main(int argc, char** argv) {
                 a.first, t.first, a.second, raw_latency(b), t.first / a.first);
   }
   if (latency_only) return 0;
-  std::printf("\n%-34s %10s %10s %10s %9s %9s %10s\n", "throughput (GB/s)", "cuda_ipc", "tcp",
-              "contig", "ipc/cont", "ipc/tcp", "post us");
+  std::printf("\n%-34s %10s %10s %10s %9s %9s %10s\n", "throughput (GB/s), 4 in flight", "cuda_ipc",
+              "tcp", "contig", "ipc/cont", "ipc/tcp", "post us");
   struct W {
     const char* name;
     uint64_t block;
     size_t n;
     int depth;
-  } ws[] = {{"128 x 1179648 B, 4 in flight", 1179648, 128, 4},
-            {"298 x 1179648 B, 4 in flight", 1179648, 298, 4},
-            {"4096 x 4 KiB, 4 in flight", 4096, 4096, 4},
-            {"16 MiB x 1, 4 in flight", 16u << 20, 1, 4}};
+    bool scattered;
+  } ws[] = {{"128 x 1179648 B adjacent", 1179648, 128, 4, false},
+            {"128 x 1179648 B scattered", 1179648, 128, 4, true},
+            {"298 x 1179648 B scattered", 1179648, 298, 4, true},
+            {"4096 x 4 KiB adjacent", 4096, 4096, 4, false},
+            {"4096 x 4 KiB scattered", 4096, 4096, 4, true},
+            {"16 MiB x 1", 16u << 20, 1, 4, false}};
   for (const W& w : ws) {
     const double c = contiguous(w.block * w.n, 20);
     double post_us = 0;
-    const double a = throughput(ipc, local, w.block, w.n, w.depth, 40, &post_us);
-    const double t = throughput(tcp, local, w.block, w.n, w.depth, 4);
+    const double a = throughput(ipc, local, w.block, w.n, w.depth, 40, w.scattered, &post_us);
+    const double t = throughput(tcp, local, w.block, w.n, w.depth, 4, w.scattered);
     std::printf("%-34s %10.1f %10.2f %10.1f %8.2fx %8.1fx %10.1f\n", w.name, a, t, c, a / c, a / t,
                 post_us);
   }

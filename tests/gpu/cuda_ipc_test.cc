@@ -103,11 +103,13 @@ class CudaIpc : public ::testing::Test {
   // Writes `batch` blocks of `block` bytes scattered locally (stride block+5)
   // into consecutive remote blocks, checks the target's bytes; then reads
   // them back into fresh local memory and checks those.
+  // `gap` 0: blocks adjacent on both sides (the transport merges them).
   void write_read(const std::string& local_kind, const std::string& name,
-                  const RemoteDescriptor& remote, uint64_t block, size_t batch, uint64_t seed) {
+                  const RemoteDescriptor& remote, uint64_t block, size_t batch, uint64_t seed,
+                  uint64_t gap = 5) {
     SCOPED_TRACE(local_kind + " <-> " + name + " " + std::to_string(block) + "B x" +
-                 std::to_string(batch));
-    const uint64_t stride = block + 5;
+                 std::to_string(batch) + " gap " + std::to_string(gap));
+    const uint64_t stride = block + gap;
     ASSERT_LE(stride * batch, kLocalSize);
     ASSERT_LE(block * batch, remote.length);
     std::vector<uint8_t> image(stride * batch);
@@ -128,16 +130,19 @@ class CudaIpc : public ::testing::Test {
     EXPECT_EQ(remote_sum(name, 0, expect.size()), gputest::fnv(expect.data(), expect.size()));
 
     // Read back into a poisoned local buffer.
-    std::vector<uint8_t> poison(stride * batch, 0xA5);
+    std::vector<uint8_t> poison(stride * batch + 1, 0xA5);
     put_local(local_kind, poison);
     Status s = engine_->read(peer_, l, r);
     ASSERT_TRUE(s.ok()) << s.to_string();
-    std::vector<uint8_t> back = get_local(local_kind, stride * batch);
+    std::vector<uint8_t> back = get_local(local_kind, stride * batch + 1);
     for (size_t i = 0; i < batch; ++i) {
       ASSERT_EQ(0, std::memcmp(back.data() + i * stride, expect.data() + i * block, block))
           << "block " << i;
-      ASSERT_EQ(back[i * stride + block], 0xA5) << "gap after block " << i << " was written";
+      if (gap > 0) {
+        ASSERT_EQ(back[i * stride + block], 0xA5) << "gap after block " << i << " was written";
+      }
     }
+    if (gap == 0) ASSERT_EQ(back[stride * batch], 0xA5) << "byte after the last block written";
   }
 
   std::string carrier() {
@@ -176,6 +181,8 @@ TEST_F(CudaIpc, EveryLocalKindToMallocMemory) {
     write_read(kind, "m", d, 1179648, 16, seed++);
     write_read(kind, "m", d, 3, 1000, seed++);
     write_read(kind, "m", d, 65536 + 17, 100, seed++);
+    write_read(kind, "m", d, 4096, 4096, seed++, /*gap=*/0);  // merged into one copy
+    write_read(kind, "m", d, 1179648, 16, seed++, /*gap=*/0);
   }
 }
 

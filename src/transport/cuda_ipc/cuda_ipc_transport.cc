@@ -797,6 +797,7 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     bool device_only = true;
   };
   std::vector<Group> groups;
+  Group* last_group = nullptr;  // reassigned after every push_back below
   uint64_t host_lo = 0, host_hi = 0;
   bool host_pageable = false;
   for (size_t i = 0; i < segments.size(); ++i) {
@@ -821,9 +822,13 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
         return st;
       }
     }
-    Group* group = nullptr;
-    for (Group& x : groups) {
-      if (x.slot->device == device && x.slot->engine_only == engine_only) group = &x;
+    Group* group = last_group;
+    if (group == nullptr || group->slot->device != device ||
+        group->slot->engine_only != engine_only) {
+      group = nullptr;
+      for (Group& x : groups) {
+        if (x.slot->device == device && x.slot->engine_only == engine_only) group = &x;
+      }
     }
     if (group == nullptr) {
       auto slot = slot_for(device, engine_only);
@@ -836,8 +841,20 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     }
     group->device_only =
         group->device_only && s.local_device == device && g->mapping->device() == device;
-    group->blocks.push_back(write ? CopyBlock{remote, s.local, s.length}
-                                  : CopyBlock{s.local, remote, s.length});
+    last_group = group;
+    const CopyBlock b =
+        write ? CopyBlock{remote, s.local, s.length} : CopyBlock{s.local, remote, s.length};
+    // Blocks adjacent on both sides (consecutive pages of one tensor) become
+    // one copy: the copy engine pays a few microseconds per copy, not per byte.
+    if (!group->blocks.empty()) {
+      CopyBlock& last = group->blocks.back();
+      if (static_cast<uint8_t*>(last.dst) + last.size == b.dst &&
+          static_cast<const uint8_t*>(last.src) + last.size == b.src) {
+        last.size += b.size;
+        continue;
+      }
+    }
+    group->blocks.push_back(b);
   }
 
   t->outstanding.store(groups.size());
