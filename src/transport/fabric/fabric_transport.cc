@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "core/byte_codec.h"
@@ -392,6 +393,7 @@ void FabricTransport::shutdown(const Status& reason) {
       }
     }
     exported_.clear();
+    revoking_.clear();
     for (auto& [id, l] : local_mrs_) fi_close(&l.mr->fid);
     local_mrs_.clear();
   }
@@ -505,7 +507,7 @@ bool FabricTransport::is_connected(PeerId peer) const {
 std::string FabricTransport::peer_address(PeerId peer) const {
   std::lock_guard lock(peers_mu_);
   auto it = peers_.find(peer);
-  return it == peers_.end() ? std::string() : it->second->via;
+  return it == peers_.end() || it->second->dead.load() ? std::string() : it->second->via;
 }
 
 Result<std::shared_ptr<Peer>> FabricTransport::live_peer(PeerId peer) const {
@@ -654,7 +656,16 @@ void FabricTransport::release_revoked_regions() {
       }
       revoked.emplace_back(
           it->first, std::vector<PeerId>(it->second.importers.begin(), it->second.importers.end()));
-      it = exported_.erase(it);  // drops the pin
+      if (!it->second.importers.empty()) {
+        // Keep the pin until the importers' ops in flight are done: a
+        // software provider goes on placing a write it has started.
+        Revoking r;
+        r.pin = std::move(it->second.pin);
+        r.waiting = it->second.importers;
+        r.deadline = Clock::now() + opt_.peer_timeout;
+        revoking_[it->first] = std::move(r);
+      }
+      it = exported_.erase(it);  // drops the pin unless it moved to revoking_
     }
     for (auto it = local_mrs_.begin(); it != local_mrs_.end();) {
       if (it->second.region->revoked.load()) {
@@ -668,8 +679,41 @@ void FabricTransport::release_revoked_regions() {
   for (auto& [region, importers] : revoked) {
     for (PeerId id : importers) {
       auto p = live_peer(id);
-      if (p.ok()) (void)send(*p, (*p)->addr, MsgType::kRevoke, 0, encode_u64(region));
+      if (!p.ok() || !send(*p, (*p)->addr, MsgType::kRevoke, 0, encode_u64(region)).ok()) {
+        finish_revoke(region, id, false);
+      }
     }
+  }
+}
+
+void FabricTransport::finish_revoke(RegionId region, PeerId peer, bool all) {
+  std::lock_guard lock(export_mu_);
+  auto it = revoking_.find(region);
+  if (it == revoking_.end()) return;
+  it->second.waiting.erase(peer);
+  if (all || it->second.waiting.empty()) revoking_.erase(it);  // drops the pin
+}
+
+bool FabricTransport::in_flight_on_locked(const Peer* p, RegionId region) const {
+  for (const auto& op : ops_) {
+    if (op->kind == Op::kRma && op->job && op->job->peer.get() == p &&
+        op->remote_region == region) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void FabricTransport::send_due_acks_locked() {
+  for (auto it = acks_due_.begin(); it != acks_due_.end();) {
+    if (in_flight_on_locked(it->first.get(), it->second)) {
+      ++it;
+      continue;
+    }
+    (void)send_locked(it->first, it->first->addr,
+                      encode(MsgType::kRevokeAck, ctx_.engine_id, 0, encode_u64(it->second)),
+                      nullptr);
+    it = acks_due_.erase(it);
   }
 }
 
@@ -722,7 +766,10 @@ Status FabricTransport::send_locked(const std::shared_ptr<Peer>& p, fi_addr_t ad
     }
   }
   op->rma.addr = addr;  // kept for a retry after FI_EAGAIN
-  if (!send_queue_.empty()) {
+  // Per peer in order: behind a message to the same peer still waiting for
+  // room, never behind another peer's (a dead peer must not block the rest).
+  if (std::any_of(send_queue_.begin(), send_queue_.end(),
+                  [addr](const Op* q) { return q->rma.addr == addr; })) {
     send_queue_.push_back(op);
     wake();
     return Status::Ok();
@@ -909,9 +956,18 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
 
 void FabricTransport::pump_locked() {
   if (!ep_) return;
-  // Control messages first, in the order they were queued.
-  while (!send_queue_.empty()) {
-    Op* op = send_queue_.front();
+  // Control messages first, in order per peer; a peer whose queue is full
+  // (FI_EAGAIN) holds back only its own messages and operations.
+  std::vector<fi_addr_t> blocked;
+  auto is_blocked = [&blocked](fi_addr_t a) {
+    return std::find(blocked.begin(), blocked.end(), a) != blocked.end();
+  };
+  for (auto it = send_queue_.begin(); it != send_queue_.end();) {
+    Op* op = *it;
+    if (is_blocked(op->rma.addr)) {
+      ++it;
+      continue;
+    }
     struct iovec iov {
       op->buf.data(), op->buf.size()
     };
@@ -924,22 +980,31 @@ void FabricTransport::pump_locked() {
     msg.context = &op->ctx;
     ssize_t r =
         fi_sendmsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
-    if (r == -FI_EAGAIN) break;
-    send_queue_.pop_front();
-    if (r != 0)
+    if (r == -FI_EAGAIN) {
+      blocked.push_back(op->rma.addr);
+      ++it;
+      continue;
+    }
+    it = send_queue_.erase(it);
+    if (r != 0) {
       on_completion(op, err::PeerDisconnected("fabric: fi_send: " + fi_error(static_cast<int>(r))));
+    }
   }
-  while (!queue_.empty()) {
-    std::shared_ptr<Job> job = queue_.front();
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    std::shared_ptr<Job> job = *it;
     if (job->stopped || job->next >= job->segs.size()) {
-      queue_.pop_front();
+      it = queue_.erase(it);
       maybe_finish_locked(job);
       continue;
     }
     if (inflight_ >= opt_.max_inflight || inflight_bytes_ >= opt_.max_inflight_bytes) break;
-    if (!post_one_locked(*job, job)) {
-      if (job->stopped) continue;
-      break;  // FI_EAGAIN: the progress thread retries after completions
+    if (is_blocked(job->peer->addr)) {
+      ++it;
+      continue;
+    }
+    if (!post_one_locked(*job, job) && !job->stopped) {
+      blocked.push_back(job->peer->addr);  // FI_EAGAIN: retried after completions
+      ++it;
     }
   }
 }
@@ -1031,6 +1096,7 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
     }
     maybe_finish_locked(job);
     job_cv_.notify_all();
+    if (!acks_due_.empty()) send_due_acks_locked();
     return;
   }
   if (op->kind == Op::kSend) {
@@ -1098,8 +1164,23 @@ void FabricTransport::progress_loop() {
                                    : "message";
       std::string msg = fmt::format("fabric: {} to {} failed: {} (provider: {})", what, who,
                                     fi_error(e.err), text ? text : "?");
-      on_completion(op, is_disconnect(e.err) ? err::PeerDisconnected(std::move(msg))
-                                             : err::Internal(std::move(msg)));
+      Status st;
+      if (op->kind == Op::kRma &&
+          (e.prov_errno == ENOENT || e.err == FI_EKEYREJECTED || e.err == FI_EACCES)) {
+        // The target's provider no longer knows the key: the region was
+        // deregistered while the op was on its way (its REVOKE may still be
+        // behind this completion).
+        st = err::NotFound(
+            fmt::format("fabric: region {} on {} refused the {} (deregistered "
+                        "while in flight?): {} (provider: {})",
+                        op->remote_region, who, op->job && op->job->write ? "write" : "read",
+                        fi_error(e.err), text ? text : "?"));
+      } else if (is_disconnect(e.err)) {
+        st = err::PeerDisconnected(std::move(msg));
+      } else {
+        st = err::Internal(std::move(msg));
+      }
+      on_completion(op, st);
       pump_locked();
       continue;
     }
@@ -1136,6 +1217,20 @@ void FabricTransport::timers() {
   const auto now = Clock::now();
   if (now < next_ping_) return;
   next_ping_ = now + opt_.peer_timeout / 6;
+  {
+    std::lock_guard lock(export_mu_);
+    for (auto it = revoking_.begin(); it != revoking_.end();) {
+      if (now < it->second.deadline) {
+        ++it;
+        continue;
+      }
+      spdlog::warn(
+          "ferry: fabric: region {}: {} importer(s) did not confirm the revocation "
+          "within {} ms; deregistration goes on",
+          it->first, it->second.waiting.size(), opt_.peer_timeout.count());
+      it = revoking_.erase(it);
+    }
+  }
   std::vector<std::shared_ptr<Peer>> peers;
   {
     std::lock_guard lock(peers_mu_);
@@ -1181,6 +1276,10 @@ void FabricTransport::fail_peer(const std::shared_ptr<Peer>& p, const Status& re
   {
     std::lock_guard lock(export_mu_);
     for (auto& [id, e] : exported_) e.importers.erase(p->id);
+    for (auto it = revoking_.begin(); it != revoking_.end();) {
+      it->second.waiting.erase(p->id);
+      it = it->second.waiting.empty() ? revoking_.erase(it) : std::next(it);
+    }
   }
   if (!stop_.load()) {
     if (failed > 0) {
@@ -1308,11 +1407,24 @@ Status FabricTransport::handle(const Header& h, ByteView body) {
     case MsgType::kRevoke: {
       auto region = decode_u64(body, "REVOKE");
       if (!region.ok()) return region.status();
-      std::lock_guard lock(p->mu);
-      for (auto it = p->grants.begin(); it != p->grants.end();) {
-        it = std::get<0>(it->first) == *region ? p->grants.erase(it) : std::next(it);
+      {
+        std::lock_guard lock(p->mu);
+        for (auto it = p->grants.begin(); it != p->grants.end();) {
+          it = std::get<0>(it->first) == *region ? p->grants.erase(it) : std::next(it);
+        }
+        p->revoked.insert(*region);
       }
-      p->revoked.insert(*region);
+      {
+        std::lock_guard lock(post_mu_);
+        acks_due_.emplace_back(p, *region);
+        send_due_acks_locked();
+      }
+      return Status::Ok();
+    }
+    case MsgType::kRevokeAck: {
+      auto region = decode_u64(body, "REVOKE_ACK");
+      if (!region.ok()) return region.status();
+      finish_revoke(*region, p->id, false);
       return Status::Ok();
     }
     case MsgType::kNotify:

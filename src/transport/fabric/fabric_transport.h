@@ -175,6 +175,15 @@ class FabricTransport final : public Transport {
     uint64_t key[2] = {0, 0};
     std::unordered_set<PeerId> importers;
   };
+  // A revoked region whose registration is closed but whose importers may
+  // still have ops in flight that a software provider goes on placing: the
+  // pin (deregistration waits) is dropped when each has answered REVOKE_ACK,
+  // died, or fabric.peer_timeout_ms passed.
+  struct Revoking {
+    RegionPin pin;
+    std::unordered_set<PeerId> waiting;
+    std::chrono::steady_clock::time_point deadline;
+  };
   struct ConnectWait {
     bool done = false;
     PeerId peer = 0;
@@ -257,6 +266,12 @@ class FabricTransport final : public Transport {
     struct fid_mr* mr = nullptr;
   };
   std::unordered_map<RegionId, LocalMr> local_mrs_;  // FI_MR_LOCAL only, under export_mu_
+  std::unordered_map<RegionId, Revoking> revoking_;  // under export_mu_
+  // Importer: REVOKEs to answer once no op on the region is in flight.
+  std::vector<std::pair<std::shared_ptr<Peer>, RegionId>> acks_due_;  // under post_mu_
+  bool in_flight_on_locked(const Peer* p, RegionId region) const;
+  void send_due_acks_locked();
+  void finish_revoke(RegionId region, PeerId peer, bool all);
 
   std::mutex post_mu_;
   std::condition_variable job_cv_;  // with post_mu_: a job's op completed

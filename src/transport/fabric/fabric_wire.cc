@@ -25,6 +25,8 @@ const char* msg_type_name(uint8_t type) {
       return "PONG";
     case MsgType::kBye:
       return "BYE";
+    case MsgType::kRevokeAck:
+      return "REVOKE_ACK";
   }
   return "?";
 }
@@ -70,7 +72,7 @@ Result<Header> decode_header(const uint8_t* data, size_t len) {
                     h.sender, kWireVersion));
   }
   if (h.type < static_cast<uint8_t>(MsgType::kHello) ||
-      h.type > static_cast<uint8_t>(MsgType::kBye)) {
+      h.type > static_cast<uint8_t>(MsgType::kRevokeAck)) {
     return err::ProtocolError(fmt::format("fabric: unknown message type {}", h.type));
   }
   if (pad != 0 || pad2 != 0) {

@@ -35,7 +35,8 @@ enum class MsgType : uint8_t {
   kNotify = 6,    // notification payload (after all data of its write)
   kPing = 7,
   kPong = 8,
-  kBye = 9,  // the sender shuts down
+  kBye = 9,         // the sender shuts down
+  kRevokeAck = 10,  // region id: no op of ours on it is in flight any more
 };
 const char* msg_type_name(uint8_t type);
 
