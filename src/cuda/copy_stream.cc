@@ -232,7 +232,8 @@ struct CopyStream::Impl {
     cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
     if (e != cudaSuccess) return cuda_status(e, "cudaDeviceGetAttribute(MultiProcessorCount)");
     sm_count = static_cast<uint32_t>(n);
-    if ((e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) != cudaSuccess ||
+    const unsigned flags = opts.after_default_stream ? cudaStreamDefault : cudaStreamNonBlocking;
+    if ((e = cudaStreamCreateWithFlags(&stream, flags)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&ce_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming)) != cudaSuccess ||

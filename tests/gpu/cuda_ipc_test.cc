@@ -8,6 +8,7 @@
 // memory). Skips, with the reason, where no CUDA device answers.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <chrono>
 #include <string>
@@ -184,6 +185,51 @@ TEST_F(CudaIpc, EveryLocalKindToMallocMemory) {
     write_read(kind, "m", d, 4096, 4096, seed++, /*gap=*/0);  // merged into one copy
     write_read(kind, "m", d, 1179648, 16, seed++, /*gap=*/0);
   }
+}
+
+// Local pinned memory made of two page-locked registrations back to back
+// (PyTorch's pinned-memory allocator hands out such blocks): a block that
+// straddles them is still copied, every byte checked.
+TEST_F(CudaIpc, LocalBlockStraddlingTwoPinnedRegistrations) {
+  RemoteDescriptor d = alloc("m", "malloc", 4u << 20);
+  const size_t half = 1u << 20;
+  void* mem = mmap(nullptr, 2 * half, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  auto* base = static_cast<uint8_t*>(mem);
+  ASSERT_EQ(cudaHostRegister(base, half, cudaHostRegisterDefault), cudaSuccess);
+  ASSERT_EQ(cudaHostRegister(base + half, half, cudaHostRegisterDefault), cudaSuccess);
+  auto region = engine_->register_memory(base, 2 * half);
+  ASSERT_TRUE(region.ok()) << region.status().to_string();
+  std::vector<uint8_t> image(2 * half);
+  gputest::fill(image.data(), image.size(), 91);
+  std::copy(image.begin(), image.end(), base);
+  // 16 KiB blocks, one of them across the boundary; several per call so the
+  // copy kernel (not only the single-block copy-engine path) is asked.
+  std::vector<LocalIov> l;
+  std::vector<RemoteIov> r;
+  for (size_t i = 0; i < 8; ++i) {
+    const size_t off = half - 4 * 16384 + 8192 + i * 16384;  // block 3 straddles
+    l.push_back({base + off, 16384});
+    r.push_back({&d, i * 20000, 16384});
+  }
+  Status s = engine_->write(peer_, l, r);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  for (size_t i = 0; i < 8; ++i) {
+    const size_t off = half - 4 * 16384 + 8192 + i * 16384;
+    EXPECT_EQ(remote_sum("m", i * 20000, 16384), gputest::fnv(image.data() + off, 16384))
+        << "block " << i;
+  }
+  std::fill(base, base + 2 * half, 0);
+  s = engine_->read(peer_, l, r);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  for (size_t i = 0; i < 8; ++i) {
+    const size_t off = half - 4 * 16384 + 8192 + i * 16384;
+    EXPECT_EQ(0, std::memcmp(base + off, image.data() + off, 16384)) << "block " << i;
+  }
+  ASSERT_TRUE(engine_->deregister_memory(region->id).ok());
+  cudaHostUnregister(base);
+  cudaHostUnregister(base + half);
+  munmap(mem, 2 * half);
 }
 
 TEST_F(CudaIpc, SubAllocationInsideOneAllocation) {

@@ -43,6 +43,10 @@ const OptionSpec kCudaIpcOptionSpecs[] = {
     {"cuda_ipc.waiter_polls", OptionType::kBool, "true",
      "a thread spinning in wait() polls the copy streams itself (no hand-over from the "
      "completion thread)"},
+    {"cuda_ipc.after_default_stream", OptionType::kBool, "true",
+     "copies start after work already queued on the GPU's legacy default stream (where PyTorch "
+     "produces tensors unless told otherwise), so a tensor filled just before a write or read "
+     "is filled first; false: the caller synchronises"},
     {"cuda_ipc.engine_max_blocks", OptionType::kUint, "1",
      "calls of at most this many blocks go to the copy engine (cudaMemcpyAsync) rather than the "
      "copy kernel: for a single small block that is lower latency than a kernel launch",
@@ -145,6 +149,7 @@ Status CudaIpcTransport::read_options() {
   opt_.sm_budget = static_cast<uint32_t>(o.get_uint("cuda_ipc.sm_budget"));
   opt_.kernel_max_block = o.get_uint("cuda_ipc.kernel_max_block");
   opt_.waiter_polls = o.get_bool("cuda_ipc.waiter_polls");
+  opt_.after_default_stream = o.get_bool("cuda_ipc.after_default_stream");
   opt_.engine_max_blocks = static_cast<uint32_t>(o.get_uint("cuda_ipc.engine_max_blocks"));
   opt_.poll_linger = std::chrono::microseconds(o.get_uint("cuda_ipc.poll_linger_us"));
   return Status::Ok();
@@ -769,6 +774,7 @@ Result<CudaIpcTransport::StreamSlot*> CudaIpcTransport::slot_for(int device, boo
   o.sm_budget = engine_only ? 0 : opt_.sm_budget;
   o.kernel_max_block = opt_.kernel_max_block;
   o.use_batch_api = !engine_only;
+  o.after_default_stream = opt_.after_default_stream;
   auto stream = CopyStream::create(device, o);
   if (!stream.ok()) return stream.status();
   auto slot = std::make_unique<StreamSlot>();
@@ -804,57 +810,77 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     const Segment& s = segments[i];
     ImportedGrant* g = grant_of[i];
     uint8_t* remote = g->address + s.remote.offset;
-    int device = s.local_device;
-    bool engine_only = segments.size() <= opt_.engine_max_blocks;
-    if (device < 0) {
-      device = g->mapping->device();
-      const auto a = reinterpret_cast<uint64_t>(s.local);
-      if (a < host_lo || a + s.length > host_hi) {
-        auto info = cuda_pointer_info(s.local);
-        host_pageable = !info.ok() || info->type == CudaMemoryType::kPageableHost;
-        host_lo = info.ok() && info->size != 0 ? info->base : a;
-        host_hi = info.ok() && info->size != 0 ? info->base + info->size : a + s.length;
+    uint8_t* local = s.local;
+    uint64_t left = s.length;
+    // A local host block is cut where a page-locked allocation ends: PyTorch's
+    // pinned-memory allocator hands out blocks that straddle two
+    // registrations, and neither the copy kernel nor cudaMemcpyAsync takes
+    // one range across both.
+    while (left > 0) {
+      int device = s.local_device;
+      bool engine_only = segments.size() <= opt_.engine_max_blocks;
+      uint64_t piece = left;
+      bool local_host = false;
+      if (device < 0) {
+        local_host = true;
+        device = g->mapping->device();
+        const auto a = reinterpret_cast<uint64_t>(local);
+        if (a < host_lo || a >= host_hi) {
+          auto info = cuda_pointer_info(local);
+          host_pageable = !info.ok() || info->type == CudaMemoryType::kPageableHost;
+          const bool ranged = info.ok() && info->size != 0 && !host_pageable;
+          host_lo = ranged ? info->base : a;
+          host_hi = ranged ? info->base + info->size : a + left;
+        }
+        piece = std::min(left, host_hi - a);
+        // Pageable memory: the copy engine, which takes any host memory; the
+        // copy kernel needs pinned, mapped memory.
+        engine_only = engine_only || host_pageable;
+      } else if (device != g->mapping->device()) {
+        if (Status st = ensure_peer_access(device, g->mapping->device()); !st.ok()) {
+          release_grants(**c, used);
+          return st;
+        }
       }
-      engine_only = engine_only || host_pageable;
-    } else if (device != g->mapping->device()) {
-      if (Status st = ensure_peer_access(device, g->mapping->device()); !st.ok()) {
-        release_grants(**c, used);
-        return st;
+      Group* group = last_group;
+      if (group == nullptr || group->slot->device != device ||
+          group->slot->engine_only != engine_only) {
+        group = nullptr;
+        for (Group& x : groups) {
+          if (x.slot->device == device && x.slot->engine_only == engine_only) group = &x;
+        }
       }
+      if (group == nullptr) {
+        auto slot = slot_for(device, engine_only);
+        if (!slot.ok()) {
+          release_grants(**c, used);
+          return slot.status();
+        }
+        groups.push_back({*slot, {}, true});
+        group = &groups.back();
+      }
+      group->device_only =
+          group->device_only && s.local_device == device && g->mapping->device() == device;
+      last_group = group;
+      const CopyBlock b = write ? CopyBlock{remote, local, piece} : CopyBlock{local, remote, piece};
+      local += piece;
+      remote += piece;
+      left -= piece;
+      // Blocks adjacent on both sides (consecutive pages of one tensor) become
+      // one copy: the copy engine pays a few microseconds per copy, not per
+      // byte. Local host memory only within one allocation (see above).
+      if (!group->blocks.empty()) {
+        CopyBlock& last = group->blocks.back();
+        const auto last_local = reinterpret_cast<uint64_t>(write ? last.src : last.dst);
+        if (static_cast<uint8_t*>(last.dst) + last.size == b.dst &&
+            static_cast<const uint8_t*>(last.src) + last.size == b.src &&
+            (!local_host || last_local >= host_lo)) {
+          last.size += b.size;
+          continue;
+        }
+      }
+      group->blocks.push_back(b);
     }
-    Group* group = last_group;
-    if (group == nullptr || group->slot->device != device ||
-        group->slot->engine_only != engine_only) {
-      group = nullptr;
-      for (Group& x : groups) {
-        if (x.slot->device == device && x.slot->engine_only == engine_only) group = &x;
-      }
-    }
-    if (group == nullptr) {
-      auto slot = slot_for(device, engine_only);
-      if (!slot.ok()) {
-        release_grants(**c, used);
-        return slot.status();
-      }
-      groups.push_back({*slot, {}, true});
-      group = &groups.back();
-    }
-    group->device_only =
-        group->device_only && s.local_device == device && g->mapping->device() == device;
-    last_group = group;
-    const CopyBlock b =
-        write ? CopyBlock{remote, s.local, s.length} : CopyBlock{s.local, remote, s.length};
-    // Blocks adjacent on both sides (consecutive pages of one tensor) become
-    // one copy: the copy engine pays a few microseconds per copy, not per byte.
-    if (!group->blocks.empty()) {
-      CopyBlock& last = group->blocks.back();
-      if (static_cast<uint8_t*>(last.dst) + last.size == b.dst &&
-          static_cast<const uint8_t*>(last.src) + last.size == b.src) {
-        last.size += b.size;
-        continue;
-      }
-    }
-    group->blocks.push_back(b);
   }
 
   t->outstanding.store(groups.size());

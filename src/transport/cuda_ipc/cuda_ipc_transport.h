@@ -63,6 +63,7 @@ struct CudaIpcOptions {
   std::chrono::microseconds poll_linger{50};
   uint32_t engine_max_blocks = 1;
   bool waiter_polls = true;
+  bool after_default_stream = true;
 };
 
 // The descriptor a grant was made for: ops may use exactly this range/access.
