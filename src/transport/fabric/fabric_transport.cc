@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 #include <poll.h>
+#include <pthread.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 
 #include "core/byte_codec.h"
@@ -290,6 +292,26 @@ Status FabricTransport::open_fabric() {
 }
 
 Status FabricTransport::start(const TransportContext& context) {
+  // Threads created from here on -- ours and libfabric's own progress
+  // threads -- must not take the application's signals (Ctrl-C has to reach
+  // the thread that waits, e.g. Python's main thread): block them while
+  // starting; the caller's mask is restored on return.
+  // libfabric's providers may also install handlers of their own (one that
+  // exits on SIGINT stopped Python's KeyboardInterrupt): the application's
+  // handlers are put back afterwards.
+  sigset_t all, saved;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, &saved);
+  constexpr int kKept[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGUSR1, SIGUSR2};
+  struct sigaction handlers[std::size(kKept)];
+  for (size_t i = 0; i < std::size(kKept); ++i) sigaction(kKept[i], nullptr, &handlers[i]);
+  Status s = start_unmasked(context);
+  for (size_t i = 0; i < std::size(kKept); ++i) sigaction(kKept[i], &handlers[i], nullptr);
+  pthread_sigmask(SIG_SETMASK, &saved, nullptr);
+  return s;
+}
+
+Status FabricTransport::start_unmasked(const TransportContext& context) {
   ctx_ = context;
   const OptionSet& o = *ctx_.options;
   opt_.library = o.get_string("fabric.library");

@@ -153,6 +153,7 @@ class FabricTransport final : public Transport {
   std::string_view name() const override { return "fabric"; }
   TransportCaps capabilities() const override;
   Status start(const TransportContext& context) override;
+  Status start_unmasked(const TransportContext& context);
   void shutdown(const Status& reason) override;
   Bytes local_address() const override;
   std::string local_address_text() const override;
