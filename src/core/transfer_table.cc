@@ -1,16 +1,8 @@
+#include "core/cpu_relax.h"
 #include "core/transfer.h"
 #include "transport/transport.h"
 
 namespace ferry {
-namespace {
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-}  // namespace
 
 bool Transfer::complete(Status status) {
   {

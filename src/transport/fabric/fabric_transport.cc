@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "core/byte_codec.h"
+#include "core/cpu_relax.h"
 #include "core/thread_name.h"
 #include "core/version.h"
 #include "fmt/format.h"
@@ -44,6 +45,10 @@ const OptionSpec kFabricOptionSpecs[] = {
     {"fabric.peer_timeout_ms", OptionType::kDurationMs, "1500",
      "a peer not heard from (keepalive) this long is declared dead and its transfers fail", 100,
      600000},
+    {"fabric.poll_spin_us", OptionType::kUint, "50",
+     "the progress thread polls the completion queue this long after its last event before it "
+     "sleeps (a provider with manual progress moves bytes only while polled)",
+     0, 1000000},
 };
 const size_t kFabricOptionSpecCount = std::size(kFabricOptionSpecs);
 
@@ -322,6 +327,7 @@ Status FabricTransport::start_unmasked(const TransportContext& context) {
   opt_.connect_timeout = std::chrono::milliseconds(o.get_uint("fabric.connect_timeout_ms"));
   opt_.grant_timeout = std::chrono::milliseconds(o.get_uint("fabric.grant_timeout_ms"));
   opt_.peer_timeout = std::chrono::milliseconds(o.get_uint("fabric.peer_timeout_ms"));
+  opt_.poll_spin = std::chrono::microseconds(o.get_uint("fabric.poll_spin_us"));
   if (Status s = load_library(); !s.ok()) return s;
   if (Status s = open_fabric(); !s.ok()) {
     shutdown(s);
@@ -387,6 +393,10 @@ void FabricTransport::shutdown(const Status& reason) {
     wake();
     progress_.join();
   }
+  stop_.store(true);
+  // A waiter polling the CQ (progress()) checked stop_ under cq_mu_: once we
+  // have held it, none is still reading what is closed below.
+  { std::lock_guard cq(cq_mu_); }
   std::vector<std::shared_ptr<Peer>> peers;
   {
     std::lock_guard lock(peers_mu_);
@@ -1087,6 +1097,8 @@ void FabricTransport::cancel(Transfer& transfer) {
 
 void FabricTransport::wake() {
   if (wake_fd_ < 0) return;
+  work_gen_.fetch_add(1);
+  if (!sleeping_.load()) return;
   uint64_t one = 1;
   [[maybe_unused]] auto w = ::write(wake_fd_, &one, sizeof one);
 }
@@ -1136,86 +1148,150 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
   }
 }
 
-void FabricTransport::progress_loop() {
-  name_this_thread("ferry-fabric");
-  struct fi_cq_data_entry entries[kCqBatch];
-  while (!stop_.load()) {
-    ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
-    if (n > 0) {
-      for (ssize_t i = 0; i < n; ++i) {
-        Op* op = static_cast<Op*>(entries[i].op_context);
-        if (!op) continue;
-        if (op->kind == Op::kRecv) {
-          on_message(op->buf.data(), entries[i].len);
-          std::lock_guard lock(post_mu_);
-          if (ep_ && !stop_.load()) {
-            if (Status s = post_recv(op); !s.ok()) spdlog::error("ferry: {}", s.message());
-          }
-          continue;
-        }
-        std::lock_guard lock(post_mu_);
-        on_completion(op, Status::Ok());
-      }
-      std::lock_guard lock(post_mu_);
-      pump_locked();
-      continue;
+void FabricTransport::handle_entry(const struct fi_cq_data_entry& e) {
+  Op* op = static_cast<Op*>(e.op_context);
+  if (!op) return;
+  if (op->kind == Op::kRecv) {
+    on_message(op->buf.data(), e.len);
+    std::lock_guard lock(post_mu_);
+    if (ep_ && !stop_.load()) {
+      if (Status s = post_recv(op); !s.ok()) spdlog::error("ferry: {}", s.message());
     }
-    if (n == -FI_EAVAIL) {
-      struct fi_cq_err_entry e {};
-      char buf[256] = {};
-      if (fi_cq_readerr(cq_, &e, 0) < 0) continue;
-      Op* op = static_cast<Op*>(e.op_context);
-      const char* text = fi_cq_strerror(cq_, e.prov_errno, e.err_data, buf, sizeof buf);
-      if (!op) continue;
-      if (op->kind == Op::kRecv) {
-        if (e.err == FI_ECANCELED && stop_.load()) continue;
-        spdlog::warn("ferry: fabric: a receive failed: {} ({})", text ? text : "?",
-                     fi_error(e.err));
-        std::lock_guard lock(post_mu_);
-        if (ep_ && !stop_.load()) (void)post_recv(op);
+    return;
+  }
+  std::lock_guard lock(post_mu_);
+  on_completion(op, Status::Ok());
+}
+
+size_t FabricTransport::drain_cq_locked() {
+  size_t handled = 0;
+  while (!deferred_.empty()) {
+    const struct fi_cq_data_entry e = deferred_.front();
+    deferred_.pop_front();
+    handle_entry(e);
+    ++handled;
+  }
+  struct fi_cq_data_entry entries[kCqBatch];
+  ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
+  if (n > 0) {
+    for (ssize_t i = 0; i < n; ++i) handle_entry(entries[i]);
+    return handled + static_cast<size_t>(n);
+  }
+  if (n == -FI_EAVAIL) {
+    struct fi_cq_err_entry e {};
+    char buf[256] = {};
+    if (fi_cq_readerr(cq_, &e, 0) < 0) return handled;
+    Op* op = static_cast<Op*>(e.op_context);
+    const char* text = fi_cq_strerror(cq_, e.prov_errno, e.err_data, buf, sizeof buf);
+    if (!op) return handled + 1;
+    if (op->kind == Op::kRecv) {
+      if (e.err == FI_ECANCELED && stop_.load()) return handled + 1;
+      spdlog::warn("ferry: fabric: a receive failed: {} ({})", text ? text : "?", fi_error(e.err));
+      std::lock_guard lock(post_mu_);
+      if (ep_ && !stop_.load()) (void)post_recv(op);
+      return handled + 1;
+    }
+    std::lock_guard lock(post_mu_);
+    const std::string who = op->job    ? describe(*op->job->peer)
+                            : op->peer ? describe(*op->peer)
+                                       : std::string("a peer");
+    const std::string what = op->kind == Op::kRma
+                                 ? fmt::format("{} of {} bytes on region {}",
+                                               op->job && op->job->write ? "write" : "read",
+                                               op->bytes, op->remote_region)
+                                 : "message";
+    std::string msg = fmt::format("fabric: {} to {} failed: {} (provider: {})", what, who,
+                                  fi_error(e.err), text ? text : "?");
+    Status st;
+    if (op->kind == Op::kRma &&
+        (e.prov_errno == ENOENT || e.err == FI_EKEYREJECTED || e.err == FI_EACCES)) {
+      // The target's provider no longer knows the key: the region was
+      // deregistered while the op was on its way (its REVOKE may still be
+      // behind this completion).
+      st = err::NotFound(
+          fmt::format("fabric: region {} on {} refused the {} (deregistered while in flight?): {} "
+                      "(provider: {})",
+                      op->remote_region, who, op->job && op->job->write ? "write" : "read",
+                      fi_error(e.err), text ? text : "?"));
+    } else if (is_disconnect(e.err)) {
+      st = err::PeerDisconnected(std::move(msg));
+    } else {
+      st = err::Internal(std::move(msg));
+    }
+    on_completion(op, st);
+    return handled + 1;
+  }
+  if (n != -FI_EAGAIN) {
+    spdlog::error("ferry: fabric: fi_cq_read: {}", fi_error(static_cast<int>(n)));
+  }
+  return handled;
+}
+
+void FabricTransport::progress(const Transfer& /*transfer*/) {
+  // A waiter reads the CQ only when nobody else does and nothing read
+  // earlier is still put aside (entries are handled in the order read).
+  std::unique_lock cq(cq_mu_, std::try_to_lock);
+  if (!cq.owns_lock() || !deferred_.empty() || stop_.load() || !cq_) return;
+  struct fi_cq_data_entry entries[kCqBatch];
+  ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
+  if (n == -FI_EAVAIL) {
+    wake();  // errors are read and reported by the progress thread
+    return;
+  }
+  if (n <= 0) return;
+  bool put_aside = false;
+  {
+    std::lock_guard lock(post_mu_);
+    for (ssize_t i = 0; i < n; ++i) {
+      Op* op = static_cast<Op*>(entries[i].op_context);
+      // A message is handled by the progress thread (it may call into the
+      // engine); so is every entry after it, to keep the order.
+      if (put_aside || (op && op->kind == Op::kRecv)) {
+        put_aside = true;
+        deferred_.push_back(entries[i]);
         continue;
       }
-      std::lock_guard lock(post_mu_);
-      const std::string who = op->job    ? describe(*op->job->peer)
-                              : op->peer ? describe(*op->peer)
-                                         : std::string("a peer");
-      const std::string what = op->kind == Op::kRma
-                                   ? fmt::format("{} of {} bytes on region {}",
-                                                 op->job && op->job->write ? "write" : "read",
-                                                 op->bytes, op->remote_region)
-                                   : "message";
-      std::string msg = fmt::format("fabric: {} to {} failed: {} (provider: {})", what, who,
-                                    fi_error(e.err), text ? text : "?");
-      Status st;
-      if (op->kind == Op::kRma &&
-          (e.prov_errno == ENOENT || e.err == FI_EKEYREJECTED || e.err == FI_EACCES)) {
-        // The target's provider no longer knows the key: the region was
-        // deregistered while the op was on its way (its REVOKE may still be
-        // behind this completion).
-        st = err::NotFound(
-            fmt::format("fabric: region {} on {} refused the {} (deregistered "
-                        "while in flight?): {} (provider: {})",
-                        op->remote_region, who, op->job && op->job->write ? "write" : "read",
-                        fi_error(e.err), text ? text : "?"));
-      } else if (is_disconnect(e.err)) {
-        st = err::PeerDisconnected(std::move(msg));
-      } else {
-        st = err::Internal(std::move(msg));
-      }
-      on_completion(op, st);
-      pump_locked();
-      continue;
+      if (op) on_completion(op, Status::Ok());
     }
-    if (n != -FI_EAGAIN) {
-      spdlog::error("ferry: fabric: fi_cq_read: {}", fi_error(static_cast<int>(n)));
+    pump_locked();
+  }
+  if (put_aside) wake();
+}
+
+void FabricTransport::progress_loop() {
+  name_this_thread("ferry-fabric");
+  auto last_event = Clock::now();
+  while (!stop_.load()) {
+    const uint64_t gen = work_gen_.load();
+    size_t handled;
+    {
+      std::lock_guard cq(cq_mu_);
+      handled = drain_cq_locked();
     }
     {
       std::lock_guard lock(post_mu_);
       pump_locked();
     }
-    timers();
+    timers();  // also while events keep coming: a dead peer is declared in time
+    const auto now = Clock::now();
+    if (handled > 0) {
+      last_event = now;
+      continue;
+    }
+    // With manual progress (tcp;ofi_rxm) bytes move only while somebody reads
+    // the CQ, on the target too: right after an event more usually follow,
+    // so poll a little longer before paying for a sleep and a wake-up.
+    if (now - last_event < opt_.poll_spin) {
+      for (int i = 0; i < 32; ++i) cpu_relax();
+      continue;
+    }
     // Nothing completed: sleep on the CQ's wait fd (and our wake-up fd) when
     // the provider agrees nothing is pending, else poll again.
+    sleeping_.store(true);
+    if (work_gen_.load() != gen) {  // a wake() came after this round began
+      sleeping_.store(false);
+      continue;
+    }
     const auto until_ping =
         std::chrono::duration_cast<std::chrono::milliseconds>(next_ping_ - Clock::now());
     const int timeout = static_cast<int>(std::clamp<int64_t>(until_ping.count(), 1, 100));
@@ -1224,14 +1300,19 @@ void FabricTransport::progress_loop() {
     fds[nfds++] = {wake_fd_, POLLIN, 0};
     if (cq_fd_ >= 0) {
       struct fid* f = &cq_->fid;
-      if (fi_trywait(fabric_, &f, 1) != 0) continue;  // events pending: read again
+      if (fi_trywait(fabric_, &f, 1) != 0) {  // events pending: read again
+        sleeping_.store(false);
+        continue;
+      }
       fds[nfds++] = {cq_fd_, POLLIN, 0};
     }
     ::poll(fds, nfds, cq_fd_ >= 0 ? timeout : 1);
+    sleeping_.store(false);
     if (fds[0].revents & POLLIN) {
       uint64_t v;
       [[maybe_unused]] auto r = ::read(wake_fd_, &v, sizeof v);
     }
+    last_event = Clock::now();
   }
 }
 

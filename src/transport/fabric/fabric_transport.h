@@ -81,6 +81,7 @@ struct FabricOptions {
   std::chrono::milliseconds connect_timeout{5000};
   std::chrono::milliseconds grant_timeout{10000};
   std::chrono::milliseconds peer_timeout{1500};
+  std::chrono::microseconds poll_spin{50};
 };
 
 // The descriptor a grant was made for.
@@ -168,6 +169,7 @@ class FabricTransport final : public Transport {
                            Bytes payload) override;
   void cancel(Transfer& transfer) override;
   void release_revoked_regions() override;
+  void progress(const Transfer& transfer) override;
 
  private:
   struct Exported {
@@ -216,6 +218,10 @@ class FabricTransport final : public Transport {
 
   // progress thread
   void progress_loop();
+  // cq_mu_ held: handles the entries another thread read and put aside, then
+  // what the CQ has now; returns how many entries it handled.
+  size_t drain_cq_locked();
+  void handle_entry(const struct fi_cq_data_entry& e);
   void on_completion(Op* op, const Status& error);
   void on_message(const uint8_t* data, size_t len);
   Status handle(const Header& h, ByteView body);
@@ -285,6 +291,18 @@ class FabricTransport final : public Transport {
   std::vector<Op*> recvs_;
 
   std::chrono::steady_clock::time_point next_ping_{};
+
+  // Reading the CQ: the progress thread, or a thread waiting for a small
+  // transfer (progress()), which then needs no wake-up from the progress
+  // thread. Such a waiter handles completions of operations only; received
+  // messages, errors and everything read after them are put aside in
+  // deferred_ for the progress thread, in order.
+  std::mutex cq_mu_;
+  std::deque<struct fi_cq_data_entry> deferred_;  // under cq_mu_
+  // wake() writes the eventfd only while the progress thread sleeps (or is
+  // about to): work_gen_ tells it that something came after it looked.
+  std::atomic<bool> sleeping_{false};
+  std::atomic<uint64_t> work_gen_{0};
 };
 
 }  // namespace ferry::fabric
