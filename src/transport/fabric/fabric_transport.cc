@@ -683,16 +683,19 @@ void FabricTransport::release_revoked_regions() {
         ++it;
         continue;
       }
-      for (auto* mr : it->second.mr) {
-        if (mr) fi_close(&mr->fid);
-      }
       revoked.emplace_back(
           it->first, std::vector<PeerId>(it->second.importers.begin(), it->second.importers.end()));
-      if (!it->second.importers.empty()) {
-        // Keep the pin until the importers' ops in flight are done: a
-        // software provider goes on placing a write it has started.
+      if (it->second.importers.empty()) {
+        for (auto* mr : it->second.mr) {
+          if (mr) fi_close(&mr->fid);
+        }
+      } else {
+        // Keep the registrations and the pin until the importers' ops in
+        // flight are done; new ones they post after REVOKE ask for a key
+        // and are refused.
         Revoking r;
         r.pin = std::move(it->second.pin);
+        for (int i = 0; i < 2; ++i) r.mr[i].reset(it->second.mr[i]);
         r.waiting = it->second.importers;
         r.deadline = Clock::now() + opt_.peer_timeout;
         revoking_[it->first] = std::move(r);
@@ -723,7 +726,7 @@ void FabricTransport::finish_revoke(RegionId region, PeerId peer, bool all) {
   auto it = revoking_.find(region);
   if (it == revoking_.end()) return;
   it->second.waiting.erase(peer);
-  if (all || it->second.waiting.empty()) revoking_.erase(it);  // drops the pin
+  if (all || it->second.waiting.empty()) revoking_.erase(it);  // closes the keys, drops the pin
 }
 
 bool FabricTransport::in_flight_on_locked(const Peer* p, RegionId region) const {
@@ -734,6 +737,31 @@ bool FabricTransport::in_flight_on_locked(const Peer* p, RegionId region) const 
     }
   }
   return false;
+}
+
+Status FabricTransport::revoked_error(const Peer& p, RegionId region) const {
+  return err::NotFound(
+      fmt::format("fabric: region {} on {} was deregistered by its owner", region, describe(p)));
+}
+
+void FabricTransport::stop_jobs_on_revoked_locked(const std::shared_ptr<Peer>& p, RegionId region) {
+  std::vector<std::shared_ptr<Job>> hit;
+  for (auto& [t, job] : jobs_) {
+    if (job->peer != p || job->stopped) continue;
+    for (size_t i = job->next; i < job->segs.size(); ++i) {
+      if (job->segs[i].remote.region_id == region) {
+        hit.push_back(job);
+        break;
+      }
+    }
+  }
+  for (auto& job : hit) {
+    // Ops already posted complete (the target keeps the key until we ack);
+    // the rest is not posted and the transfer fails.
+    job->stopped = true;
+    if (job->error.ok()) job->error = revoked_error(*p, region);
+    maybe_finish_locked(job);
+  }
 }
 
 void FabricTransport::send_due_acks_locked() {
@@ -851,6 +879,11 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
   job->write = write;
   job->keys.resize(segments.size());
   if (mr_mode_ & FI_MR_LOCAL) job->descs.resize(segments.size());
+  uint64_t revoke_gen;
+  {
+    std::lock_guard lock(post_mu_);
+    revoke_gen = (*p)->revoke_gen;
+  }
   // Keys: one request per descriptor the first time, then a cache hit; a run
   // of segments on one descriptor looks it up once.
   const RemoteAccessRequest* last = nullptr;
@@ -880,6 +913,20 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     if ((*p)->dead.load()) {
       std::lock_guard plock((*p)->mu);
       return err::PeerDisconnected(fmt::format("fabric: {}: {}", describe(**p), (*p)->dead_reason));
+    }
+    if ((*p)->revoke_gen != revoke_gen) {
+      // A REVOKE came while the keys were looked up: none may be used.
+      std::unordered_set<RegionId> gone;
+      {
+        std::lock_guard plock((*p)->mu);
+        gone = (*p)->revoked;
+      }
+      for (const Segment& s : job->segs) {
+        if (gone.count(s.remote.region_id)) {
+          t->complete(revoked_error(**p, s.remote.region_id));
+          return Status::Ok();
+        }
+      }
     }
     jobs_[t.get()] = job;
     queue_.push_back(job);
@@ -1519,6 +1566,8 @@ Status FabricTransport::handle(const Header& h, ByteView body) {
       }
       {
         std::lock_guard lock(post_mu_);
+        ++p->revoke_gen;
+        stop_jobs_on_revoked_locked(p, *region);
         acks_due_.emplace_back(p, *region);
         send_due_acks_locked();
       }

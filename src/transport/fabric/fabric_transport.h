@@ -105,6 +105,7 @@ struct Peer {
   std::string dead_reason;  // under mu
   std::map<GrantKey, RemoteKey> grants;
   std::unordered_set<RegionId> revoked;  // regions the peer told us are gone
+  uint64_t revoke_gen = 0;               // REVOKEs handled; under the transport's post_mu_
   struct GrantWait {
     bool done = false;
     Grant grant;
@@ -178,12 +179,20 @@ class FabricTransport final : public Transport {
     uint64_t key[2] = {0, 0};
     std::unordered_set<PeerId> importers;
   };
-  // A revoked region whose registration is closed but whose importers may
-  // still have ops in flight that a software provider goes on placing: the
-  // pin (deregistration waits) is dropped when each has answered REVOKE_ACK,
-  // died, or fabric.peer_timeout_ms passed.
+  // A revoked region whose importers may still have ops in flight: the
+  // registrations are closed and the pin (deregistration waits) is dropped
+  // when each has answered REVOKE_ACK (it dropped the key and none of its
+  // ops on the region is in flight), died, or fabric.peer_timeout_ms passed.
+  struct MrCloser {
+    void operator()(struct fid_mr* mr) const { fi_close(&mr->fid); }
+  };
+  using OwnedMr = std::unique_ptr<struct fid_mr, MrCloser>;
   struct Revoking {
     RegionPin pin;
+    // The registrations stay open until then too: an op that reaches a
+    // closed key breaks the connection (tcp;ofi_rxm shuts it down, a verbs
+    // QP goes to the error state), failing everything else to that peer.
+    OwnedMr mr[2];
     std::unordered_set<PeerId> waiting;
     std::chrono::steady_clock::time_point deadline;
   };
@@ -212,6 +221,9 @@ class FabricTransport final : public Transport {
   Status send_locked(const std::shared_ptr<Peer>& p, fi_addr_t addr, Bytes bytes,
                      std::shared_ptr<Job> job);
   void fail_job_locked(const std::shared_ptr<Job>& job, const Status& s);
+  // A REVOKE from p: jobs with segments on `region` not yet posted stop.
+  void stop_jobs_on_revoked_locked(const std::shared_ptr<Peer>& p, RegionId region);
+  Status revoked_error(const Peer& p, RegionId region) const;
 
   Status send(const std::shared_ptr<Peer>& p, fi_addr_t addr, MsgType type, uint64_t request,
               const Bytes& body);
