@@ -57,6 +57,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr size_t kRecvBuffers = 16;
 constexpr size_t kCqBatch = 64;
+// How long a waiter's last poll of the CQ keeps the progress thread off it.
+constexpr int64_t kWaiterLeaseNs = 20000;
 constexpr uint32_t kApiVersion = FI_VERSION(1, 9);
 
 std::string hex_id(uint64_t id) {
@@ -390,7 +392,7 @@ void FabricTransport::shutdown(const Status& reason) {
     }
     if (!peers.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
     stop_.store(true);
-    wake();
+    wake(/*urgent=*/true);
     progress_.join();
   }
   stop_.store(true);
@@ -831,7 +833,7 @@ Status FabricTransport::send_locked(const std::shared_ptr<Peer>& p, fi_addr_t ad
   if (std::any_of(send_queue_.begin(), send_queue_.end(),
                   [addr](const Op* q) { return q->rma.addr == addr; })) {
     send_queue_.push_back(op);
-    wake();
+    wake(/*urgent=*/true);
     return Status::Ok();
   }
   struct iovec iov {
@@ -848,7 +850,7 @@ Status FabricTransport::send_locked(const std::shared_ptr<Peer>& p, fi_addr_t ad
       fi_sendmsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
   if (r == -FI_EAGAIN) {
     send_queue_.push_back(op);
-    wake();
+    wake(/*urgent=*/true);
     return Status::Ok();
   }
   if (r != 0) {
@@ -1086,6 +1088,7 @@ void FabricTransport::pump_locked() {
       ++it;
     }
   }
+  backlog_.store(!send_queue_.empty() || !queue_.empty(), std::memory_order_relaxed);
 }
 
 void FabricTransport::fail_job_locked(const std::shared_ptr<Job>& job, const Status& s) {
@@ -1142,10 +1145,13 @@ void FabricTransport::cancel(Transfer& transfer) {
 
 // --- progress -------------------------------------------------------------------
 
-void FabricTransport::wake() {
+void FabricTransport::wake(bool urgent) {
   if (wake_fd_ < 0) return;
   work_gen_.fetch_add(1);
-  if (!sleeping_.load()) return;
+  // Out of a waiter's way, the progress thread needs waking only for what
+  // the waiter leaves to it; new ops are moved by the waiter's polling.
+  const Sleep state = sleeping_.load();
+  if (state == Sleep::kAwake || (state == Sleep::kWaiterPolls && !urgent)) return;
   uint64_t one = 1;
   [[maybe_unused]] auto w = ::write(wake_fd_, &one, sizeof one);
 }
@@ -1210,34 +1216,24 @@ void FabricTransport::handle_entry(const struct fi_cq_data_entry& e) {
   on_completion(op, Status::Ok());
 }
 
-size_t FabricTransport::drain_cq_locked() {
-  size_t handled = 0;
-  while (!deferred_.empty()) {
-    const struct fi_cq_data_entry e = deferred_.front();
-    deferred_.pop_front();
-    handle_entry(e);
-    ++handled;
+size_t FabricTransport::read_cq_error_locked() {
+  struct fi_cq_err_entry e {};
+  char buf[256] = {};
+  if (fi_cq_readerr(cq_, &e, 0) < 0) return 0;
+  Op* op = static_cast<Op*>(e.op_context);
+  const char* text = fi_cq_strerror(cq_, e.prov_errno, e.err_data, buf, sizeof buf);
+  if (!op) return 1;
+  if (op->kind == Op::kRecv) {
+    if (e.err == FI_ECANCELED && stop_.load()) return 1;
+    spdlog::warn("ferry: fabric: a receive failed: {} ({})", text ? text : "?", fi_error(e.err));
+    std::lock_guard lock(post_mu_);
+    if (ep_ && !stop_.load()) (void)post_recv(op);
+    return 1;
   }
-  struct fi_cq_data_entry entries[kCqBatch];
-  ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
-  if (n > 0) {
-    for (ssize_t i = 0; i < n; ++i) handle_entry(entries[i]);
-    return handled + static_cast<size_t>(n);
-  }
-  if (n == -FI_EAVAIL) {
-    struct fi_cq_err_entry e {};
-    char buf[256] = {};
-    if (fi_cq_readerr(cq_, &e, 0) < 0) return handled;
-    Op* op = static_cast<Op*>(e.op_context);
-    const char* text = fi_cq_strerror(cq_, e.prov_errno, e.err_data, buf, sizeof buf);
-    if (!op) return handled + 1;
-    if (op->kind == Op::kRecv) {
-      if (e.err == FI_ECANCELED && stop_.load()) return handled + 1;
-      spdlog::warn("ferry: fabric: a receive failed: {} ({})", text ? text : "?", fi_error(e.err));
-      std::lock_guard lock(post_mu_);
-      if (ep_ && !stop_.load()) (void)post_recv(op);
-      return handled + 1;
-    }
+  // The connection to the peer is gone: every other transfer to it fails
+  // now too and the engine hears of it, rather than at the keepalive deadline.
+  std::shared_ptr<Peer> lost;
+  Status st = [&] {
     std::lock_guard lock(post_mu_);
     const std::string who = op->job    ? describe(*op->job->peer)
                             : op->peer ? describe(*op->peer)
@@ -1249,25 +1245,46 @@ size_t FabricTransport::drain_cq_locked() {
                                  : "message";
     std::string msg = fmt::format("fabric: {} to {} failed: {} (provider: {})", what, who,
                                   fi_error(e.err), text ? text : "?");
-    Status st;
+    Status why;
     if (op->kind == Op::kRma &&
         (e.prov_errno == ENOENT || e.err == FI_EKEYREJECTED || e.err == FI_EACCES)) {
       // The target's provider no longer knows the key: the region was
       // deregistered while the op was on its way (its REVOKE may still be
       // behind this completion).
-      st = err::NotFound(
+      why = err::NotFound(
           fmt::format("fabric: region {} on {} refused the {} (deregistered while in flight?): {} "
                       "(provider: {})",
                       op->remote_region, who, op->job && op->job->write ? "write" : "read",
                       fi_error(e.err), text ? text : "?"));
     } else if (is_disconnect(e.err)) {
-      st = err::PeerDisconnected(std::move(msg));
+      why = err::PeerDisconnected(std::move(msg));
+      lost = op->job ? op->job->peer : op->peer;
     } else {
-      st = err::Internal(std::move(msg));
+      why = err::Internal(std::move(msg));
     }
-    on_completion(op, st);
-    return handled + 1;
+    on_completion(op, why);
+    return why;
+  }();
+  if (lost) fail_peer(lost, st);
+  return 1;
+}
+
+size_t FabricTransport::drain_cq_locked(bool read_cq) {
+  size_t handled = 0;
+  while (!deferred_.empty()) {
+    const struct fi_cq_data_entry e = deferred_.front();
+    deferred_.pop_front();
+    handle_entry(e);
+    ++handled;
   }
+  if (!read_cq) return handled;
+  struct fi_cq_data_entry entries[kCqBatch];
+  ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
+  if (n > 0) {
+    for (ssize_t i = 0; i < n; ++i) handle_entry(entries[i]);
+    return handled + static_cast<size_t>(n);
+  }
+  if (n == -FI_EAVAIL) return handled + read_cq_error_locked();
   if (n != -FI_EAGAIN) {
     spdlog::error("ferry: fabric: fi_cq_read: {}", fi_error(static_cast<int>(n)));
   }
@@ -1277,12 +1294,16 @@ size_t FabricTransport::drain_cq_locked() {
 void FabricTransport::progress(const Transfer& /*transfer*/) {
   // A waiter reads the CQ only when nobody else does and nothing read
   // earlier is still put aside (entries are handled in the order read).
+  waiter_polled_ns_.store(now_ns(), std::memory_order_relaxed);
   std::unique_lock cq(cq_mu_, std::try_to_lock);
   if (!cq.owns_lock() || !deferred_.empty() || stop_.load() || !cq_) return;
   struct fi_cq_data_entry entries[kCqBatch];
   ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
   if (n == -FI_EAVAIL) {
-    wake();  // errors are read and reported by the progress thread
+    // Errors are the progress thread's: one may declare a peer dead, which
+    // calls into the engine.
+    error_pending_.store(true);
+    wake(/*urgent=*/true);
     return;
   }
   if (n <= 0) return;
@@ -1302,20 +1323,30 @@ void FabricTransport::progress(const Transfer& /*transfer*/) {
     }
     pump_locked();
   }
-  if (put_aside) wake();
+  if (put_aside) wake(/*urgent=*/true);
 }
 
 void FabricTransport::progress_loop() {
   name_this_thread("ferry-fabric");
   auto last_event = Clock::now();
+  uint64_t pumped_gen = 0;
   while (!stop_.load()) {
     const uint64_t gen = work_gen_.load();
+    // A thread in wait() polled the CQ just now: it gets the completions
+    // without a hand-over; two threads reading one CQ only take turns.
+    const int64_t lease_left =
+        waiter_polled_ns_.load(std::memory_order_relaxed) + kWaiterLeaseNs - now_ns();
+    const bool waiter_polls = lease_left > 0 && !error_pending_.exchange(false);
     size_t handled;
     {
       std::lock_guard cq(cq_mu_);
-      handled = drain_cq_locked();
+      handled = drain_cq_locked(!waiter_polls);
     }
-    {
+    if (handled > 0 || work_gen_.load() != pumped_gen || backlog_.load(std::memory_order_relaxed)) {
+      // Room freed, work posted, or the provider said EAGAIN before (progress
+      // may have made room, e.g. a connection came up): post what waits. An
+      // idle round leaves post_mu_ to a waiter that polls the CQ.
+      pumped_gen = work_gen_.load();
       std::lock_guard lock(post_mu_);
       pump_locked();
     }
@@ -1323,6 +1354,23 @@ void FabricTransport::progress_loop() {
     const auto now = Clock::now();
     if (handled > 0) {
       last_event = now;
+      continue;
+    }
+    if (waiter_polls) {
+      // Out of the waiter's way until its lease runs out (it stopped
+      // polling) or a wake() comes.
+      sleeping_.store(Sleep::kWaiterPolls);
+      if (work_gen_.load() == gen) {
+        struct pollfd fd = {wake_fd_, POLLIN, 0};
+        const struct timespec ts = {0, lease_left};
+        ::ppoll(&fd, 1, &ts, nullptr);
+        if (fd.revents & POLLIN) {
+          uint64_t v;
+          [[maybe_unused]] auto r = ::read(wake_fd_, &v, sizeof v);
+        }
+      }
+      sleeping_.store(Sleep::kAwake);
+      last_event = Clock::time_point{};  // no spin after: read the CQ, then sleep on it
       continue;
     }
     // With manual progress (tcp;ofi_rxm) bytes move only while somebody reads
@@ -1334,9 +1382,9 @@ void FabricTransport::progress_loop() {
     }
     // Nothing completed: sleep on the CQ's wait fd (and our wake-up fd) when
     // the provider agrees nothing is pending, else poll again.
-    sleeping_.store(true);
+    sleeping_.store(Sleep::kOnCq);
     if (work_gen_.load() != gen) {  // a wake() came after this round began
-      sleeping_.store(false);
+      sleeping_.store(Sleep::kAwake);
       continue;
     }
     const auto until_ping =
@@ -1348,13 +1396,13 @@ void FabricTransport::progress_loop() {
     if (cq_fd_ >= 0) {
       struct fid* f = &cq_->fid;
       if (fi_trywait(fabric_, &f, 1) != 0) {  // events pending: read again
-        sleeping_.store(false);
+        sleeping_.store(Sleep::kAwake);
         continue;
       }
       fds[nfds++] = {cq_fd_, POLLIN, 0};
     }
     ::poll(fds, nfds, cq_fd_ >= 0 ? timeout : 1);
-    sleeping_.store(false);
+    sleeping_.store(Sleep::kAwake);
     if (fds[0].revents & POLLIN) {
       uint64_t v;
       [[maybe_unused]] auto r = ::read(wake_fd_, &v, sizeof v);

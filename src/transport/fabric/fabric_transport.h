@@ -232,7 +232,8 @@ class FabricTransport final : public Transport {
   void progress_loop();
   // cq_mu_ held: handles the entries another thread read and put aside, then
   // what the CQ has now; returns how many entries it handled.
-  size_t drain_cq_locked();
+  size_t drain_cq_locked(bool read_cq);
+  size_t read_cq_error_locked();  // the CQ said FI_EAVAIL: one error entry
   void handle_entry(const struct fi_cq_data_entry& e);
   void on_completion(Op* op, const Status& error);
   void on_message(const uint8_t* data, size_t len);
@@ -240,7 +241,7 @@ class FabricTransport final : public Transport {
   Status serve_grant(const std::shared_ptr<Peer>& p, uint64_t request, const GrantReq& q);
   void timers();
   void fail_peer(const std::shared_ptr<Peer>& p, const Status& reason);
-  void wake();
+  void wake(bool urgent = false);
   Status post_recv(Op* op);
 
   std::string describe(const Peer& p) const;
@@ -300,6 +301,7 @@ class FabricTransport final : public Transport {
   std::unordered_map<Transfer*, std::shared_ptr<Job>> jobs_;
   std::deque<Op*> send_queue_;  // sends the provider answered EAGAIN to, in order
   uint64_t inflight_ = 0, inflight_bytes_ = 0;
+  std::atomic<bool> backlog_{false};  // send_queue_ or queue_ not empty after the last pump
   std::vector<Op*> recvs_;
 
   std::chrono::steady_clock::time_point next_ping_{};
@@ -313,8 +315,11 @@ class FabricTransport final : public Transport {
   std::deque<struct fi_cq_data_entry> deferred_;  // under cq_mu_
   // wake() writes the eventfd only while the progress thread sleeps (or is
   // about to): work_gen_ tells it that something came after it looked.
-  std::atomic<bool> sleeping_{false};
+  enum class Sleep : uint8_t { kAwake, kOnCq, kWaiterPolls };
+  std::atomic<Sleep> sleeping_{Sleep::kAwake};
   std::atomic<uint64_t> work_gen_{0};
+  std::atomic<int64_t> waiter_polled_ns_{0};  // steady_clock ns of a waiter's last poll
+  std::atomic<bool> error_pending_{false};  // a waiter saw FI_EAVAIL: the progress thread reads it
 };
 
 }  // namespace ferry::fabric
