@@ -31,11 +31,15 @@ bool Transfer::wait_until(std::chrono::steady_clock::time_point deadline,
     const auto spin_end = std::min(deadline, std::chrono::steady_clock::now() + spin);
     do {
       for (int i = 0; i < 64; ++i) {
-        if (finished_.load(std::memory_order_acquire)) return true;
+        if (finished_.load(std::memory_order_acquire)) {
+          if (transport != nullptr) transport->stop_polling(*this, true);
+          return true;
+        }
         cpu_relax();
       }
       if (transport != nullptr) transport->progress(*this);
     } while (std::chrono::steady_clock::now() < spin_end);
+    if (transport != nullptr) transport->stop_polling(*this, false);
   }
   std::unique_lock lock(mu_);
   return cv_.wait_until(lock, deadline, [&] { return finished_.load(std::memory_order_relaxed); });

@@ -106,6 +106,10 @@ class Transport {
   // may poll here, on the waiting thread, instead of handing the news over
   // from its own thread. Returns at once when there is nothing to do.
   virtual void progress(const Transfer& /*transfer*/) {}
+  // The thread that called progress() stops: it goes to sleep on `transfer`
+  // (finished false) or returns with it finished. A transport that kept its
+  // own thread off the work while a waiter polled hands it back here.
+  virtual void stop_polling(const Transfer& /*transfer*/, bool /*finished*/) {}
 };
 
 // Self-registration: each transport folder has a small *_plugin.cc that adds

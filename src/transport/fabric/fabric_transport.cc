@@ -57,8 +57,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr size_t kRecvBuffers = 16;
 constexpr size_t kCqBatch = 64;
-// How long a waiter's last poll of the CQ keeps the progress thread off it.
-constexpr int64_t kWaiterLeaseNs = 20000;
+// How long a waiter's last poll of the CQ keeps the progress thread off it,
+// unless the waiter says it stopped (stop_polling) -- a waiter that returned
+// with its transfer done usually comes back soon with the next one.
+constexpr int64_t kWaiterLeaseNs = 200000;
 constexpr uint32_t kApiVersion = FI_VERSION(1, 9);
 
 std::string hex_id(uint64_t id) {
@@ -1324,6 +1326,13 @@ void FabricTransport::progress(const Transfer& /*transfer*/) {
     pump_locked();
   }
   if (put_aside) wake(/*urgent=*/true);
+}
+
+void FabricTransport::stop_polling(const Transfer& /*transfer*/, bool finished) {
+  if (finished) return;
+  // The waiter goes to sleep: the progress thread takes the CQ back now.
+  waiter_polled_ns_.store(0, std::memory_order_relaxed);
+  wake(/*urgent=*/true);
 }
 
 void FabricTransport::progress_loop() {

@@ -171,6 +171,7 @@ class FabricTransport final : public Transport {
   void cancel(Transfer& transfer) override;
   void release_revoked_regions() override;
   void progress(const Transfer& transfer) override;
+  void stop_polling(const Transfer& transfer, bool finished) override;
 
  private:
   struct Exported {
