@@ -1,83 +1,15 @@
 #include "directory/etcd_client.h"
 
-// Calls go through function pointers (dlopen), not the type-checking macros.
-#define CURL_DISABLE_TYPECHECK 1
-#include <curl/curl.h>
-#include <dlfcn.h>
 #include <fmt/format.h>
-#include <sodium.h>
 
 #include <nlohmann/json.hpp>
+
+#include "core/base64.h"
 
 namespace ferry::directory {
 namespace {
 
 using json = nlohmann::json;
-
-// libcurl is opened with dlopen when the first directory is, not linked: a
-// program (or wheel) that never opens a directory does not load it and the
-// thirty libraries it pulls in (TLS, Kerberos, LDAP, ...). The headers give
-// the types; these are the entry points used.
-struct CurlApi {
-  CURLcode (*global_init)(long) = nullptr;
-  CURL* (*easy_init)() = nullptr;
-  void (*easy_cleanup)(CURL*) = nullptr;
-  void (*easy_reset)(CURL*) = nullptr;
-  CURLcode (*easy_setopt)(CURL*, CURLoption, ...) = nullptr;
-  CURLcode (*easy_perform)(CURL*) = nullptr;
-  CURLcode (*easy_getinfo)(CURL*, CURLINFO, ...) = nullptr;
-  const char* (*easy_strerror)(CURLcode) = nullptr;
-  curl_slist* (*slist_append)(curl_slist*, const char*) = nullptr;
-  void (*slist_free_all)(curl_slist*) = nullptr;
-  std::string error;  // why it could not be loaded; "" when loaded
-};
-
-template <typename F>
-bool resolve(void* lib, const char* name, F& fn, std::string& error) {
-  fn = reinterpret_cast<F>(dlsym(lib, name));
-  if (!fn && error.empty()) error = fmt::format("libcurl has no {}", name);
-  return fn != nullptr;
-}
-
-const CurlApi& curl_api() {
-  static const CurlApi api = [] {
-    CurlApi a;
-    void* lib = nullptr;
-    std::string tried;
-    for (const char* name : {"libcurl.so.4", "libcurl-gnutls.so.4", "libcurl.so"}) {
-      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-      if (lib) break;
-      tried += fmt::format("{}{}", tried.empty() ? "" : "; ", dlerror());
-    }
-    if (!lib) {
-      a.error = fmt::format(
-          "the etcd directory needs libcurl (Debian package libcurl4), which could not be "
-          "loaded: {}",
-          tried);
-      return a;
-    }
-    resolve(lib, "curl_global_init", a.global_init, a.error);
-    resolve(lib, "curl_easy_init", a.easy_init, a.error);
-    resolve(lib, "curl_easy_cleanup", a.easy_cleanup, a.error);
-    resolve(lib, "curl_easy_reset", a.easy_reset, a.error);
-    resolve(lib, "curl_easy_setopt", a.easy_setopt, a.error);
-    resolve(lib, "curl_easy_perform", a.easy_perform, a.error);
-    resolve(lib, "curl_easy_getinfo", a.easy_getinfo, a.error);
-    resolve(lib, "curl_easy_strerror", a.easy_strerror, a.error);
-    resolve(lib, "curl_slist_append", a.slist_append, a.error);
-    resolve(lib, "curl_slist_free_all", a.slist_free_all, a.error);
-    if (a.error.empty() && a.global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
-      a.error = "curl_global_init failed";
-    }
-    return a;
-  }();
-  return api;
-}
-
-size_t append_to_string(char* data, size_t size, size_t count, void* user) {
-  static_cast<std::string*>(user)->append(data, size * count);
-  return size * count;
-}
 
 // etcd's gateway writes int64 fields as JSON strings ("ID": "7587…"), and
 // accepts either form.
@@ -117,8 +49,14 @@ std::string prefix_range_end(std::string_view prefix) {
 Result<EtcdKeyValue> decode_kv(const json& kv) {
   EtcdKeyValue out;
   auto key = base64_decode(kv.value("key", std::string()));
+  if (!key.ok()) {
+    return err::ProtocolError("etcd answered a key that is not base64: " + key.status().message());
+  }
   auto value = base64_decode(kv.value("value", std::string()));
-  if (!key || !value) return err::ProtocolError("etcd answered a key or value that is not base64");
+  if (!value.ok()) {
+    return err::ProtocolError("etcd answered a value that is not base64: " +
+                              value.status().message());
+  }
   out.key.assign(key->begin(), key->end());
   out.value = std::move(*value);
   out.lease = json_i64(kv, "lease");
@@ -153,39 +91,16 @@ Status map_grpc_error(int code, const std::string& text) {
 
 }  // namespace
 
-std::string base64_encode(ByteView bytes) {
-  const size_t n = sodium_base64_ENCODED_LEN(bytes.size(), sodium_base64_VARIANT_ORIGINAL);
-  std::string out(n, '\0');
-  sodium_bin2base64(out.data(), n, bytes.data(), bytes.size(), sodium_base64_VARIANT_ORIGINAL);
-  out.resize(n - 1);  // the terminating NUL
-  return out;
-}
-
-std::optional<Bytes> base64_decode(std::string_view text) {
-  Bytes out(text.size() / 4 * 3 + 3);
-  size_t n = 0;
-  if (sodium_base642bin(out.data(), out.size(), text.data(), text.size(), nullptr, &n, nullptr,
-                        sodium_base64_VARIANT_ORIGINAL) != 0) {
-    return std::nullopt;
-  }
-  out.resize(n);
-  return out;
-}
-
 struct EtcdClient::Response {
   long http_status = 0;
   std::string body;
 };
 
 EtcdClient::EtcdClient(EtcdClientOptions options) : options_(std::move(options)) {
-  const CurlApi& api = curl_api();
-  if (api.error.empty()) curl_ = api.easy_init();
   prefix_ = options_.gateway_prefix;
 }
 
-EtcdClient::~EtcdClient() {
-  if (curl_) curl_api().easy_cleanup(static_cast<CURL*>(curl_));
-}
+EtcdClient::~EtcdClient() = default;
 
 std::string EtcdClient::endpoint() const {
   std::lock_guard lock(mu_);
@@ -194,43 +109,9 @@ std::string EtcdClient::endpoint() const {
 
 Result<EtcdClient::Response> EtcdClient::perform(const std::string& endpoint,
                                                  const std::string& url, const std::string* body) {
-  const CurlApi& api = curl_api();
-  if (!api.error.empty()) return err::NotSupported(api.error);
-  auto* curl = static_cast<CURL*>(curl_);
-  if (!curl) return err::Internal("curl_easy_init failed");
-  Response response;
-  char error_text[CURL_ERROR_SIZE] = {};
-  api.easy_reset(curl);
-  api.easy_setopt(curl, CURLOPT_URL, url.c_str());
-  api.easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);  // threads: no SIGALRM for timeouts
-  api.easy_setopt(curl, CURLOPT_PROXY, "");     // never through http_proxy
-  api.easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS,
-                  static_cast<long>(options_.connect_timeout.count()));
-  api.easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(options_.request_timeout.count()));
-  api.easy_setopt(curl, CURLOPT_ERRORBUFFER, error_text);
-  api.easy_setopt(curl, CURLOPT_WRITEFUNCTION, append_to_string);
-  api.easy_setopt(curl, CURLOPT_WRITEDATA, &response.body);
-  curl_slist* headers = nullptr;
-  if (body) {
-    headers = api.slist_append(headers, "Content-Type: application/json");
-    api.easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
-    api.easy_setopt(curl, CURLOPT_POSTFIELDS, body->data());
-    api.easy_setopt(curl, CURLOPT_POSTFIELDSIZE, static_cast<long>(body->size()));
-  } else {
-    api.easy_setopt(curl, CURLOPT_HTTPGET, 1L);
-  }
-  const CURLcode rc = api.easy_perform(curl);
-  api.slist_free_all(headers);
-  if (rc != CURLE_OK) {
-    const std::string detail = error_text[0] ? error_text : api.easy_strerror(rc);
-    if (rc == CURLE_OPERATION_TIMEDOUT) {
-      return err::Timeout(fmt::format("etcd at {} did not answer within {} ms: {}", endpoint,
-                                      options_.request_timeout.count(), detail));
-    }
-    return err::PeerDisconnected(fmt::format("etcd at {} is unreachable: {}", endpoint, detail));
-  }
-  api.easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &response.http_status);
-  return response;
+  auto r = http_.request(endpoint, url, body, options_.connect_timeout, options_.request_timeout);
+  if (!r.ok()) return r.status();
+  return Response{r->status, std::move(r->body)};
 }
 
 Status EtcdClient::probe_one(const std::string& endpoint) {

@@ -2,7 +2,7 @@
 // libcurl for HTTP and nlohmann-json for JSON. Why the gateway and not gRPC:
 // docs/directory.md.
 //
-// One client = one curl handle, used by one call at a time (a mutex), so the
+// One client = one HTTP handle (http_client.h), used by one call at a time (a mutex), so the
 // Directory gives its keep-alive thread a client of its own. Every request is
 // bounded by the connect and request timeouts; errors name the endpoint and
 // what was asked ("range of key /ferry/engines/a/metadata").
@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "directory/http_client.h"
 #include "ferry/status.h"
 #include "ferry/types.h"
 
@@ -99,15 +100,11 @@ class EtcdClient {
   Status probe_one(const std::string& endpoint);
 
   EtcdClientOptions options_;
-  mutable std::mutex mu_;  // one request at a time on curl_
-  void* curl_ = nullptr;   // CURL*
-  size_t current_ = 0;     // index into options_.endpoints
-  std::string prefix_;     // "/v3"
+  mutable std::mutex mu_;  // one request at a time on http_
+  HttpClient http_;
+  size_t current_ = 0;  // index into options_.endpoints
+  std::string prefix_;  // "/v3"
   std::string server_version_;
 };
-
-// Base64 of etcd's JSON (standard alphabet, padded).
-std::string base64_encode(ByteView bytes);
-std::optional<Bytes> base64_decode(std::string_view text);
 
 }  // namespace ferry::directory
