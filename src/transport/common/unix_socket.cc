@@ -29,7 +29,9 @@ Result<sockaddr_un> address_of(const std::string& path, const char* who) {
 
 std::string errno_text(int err) {
   char buf[128];
-  return fmt::format("{} ({})", strerror_r(err, buf, sizeof buf), err);
+  const char* name = strerrorname_np(err);
+  return fmt::format("{} ({})", strerror_r(err, buf, sizeof buf),
+                     name ? name : fmt::format("errno {}", err));
 }
 
 Result<int> listen_at(const std::string& path, const char* who) {

@@ -38,6 +38,7 @@ void set_send_timeout(int fd, std::chrono::milliseconds timeout);
 // 0 at end of stream, or -1 with errno EAGAIN when nothing is there. An
 // error, or descriptors the kernel had to drop (MSG_CTRUNC), is a Status.
 Result<ssize_t> receive(int fd, std::span<uint8_t> buffer, std::vector<int>* fds);
+// "Operation not permitted (EPERM)".
 std::string errno_text(int err);
 
 }  // namespace ferry::unix_socket

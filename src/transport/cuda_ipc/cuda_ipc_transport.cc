@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "core/byte_codec.h"
+#include "core/cpu_relax.h"
 #include "cuda/cuda_detect.h"
 #include "fmt/format.h"
 #include "fmt/ranges.h"
@@ -68,13 +69,7 @@ constexpr size_t kMaxQueuedFds = kMaxPieces + kMaxFdsPerFrame;
 // A short pause in a polling loop (about a microsecond), easing the CPU and
 // the driver lock while another thread polls.
 void cpu_relax_for_a_moment() {
-  for (int i = 0; i < 32; ++i) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
+  for (int i = 0; i < 32; ++i) cpu_relax();
 }
 
 std::string hex_id(uint64_t id) {

@@ -2,54 +2,28 @@
 
 #include "core/byte_codec.h"
 #include "fmt/format.h"
+#include "transport/common/unix_socket.h"
+#include "transport/common/wire_codec.h"
 
 namespace ferry::cuda_ipc {
 namespace {
 
+constexpr wire_codec::Codec kCodec{"cuda_ipc: ", kMaxMessageBytes};
+
+wire_codec::OpRules op_rules(uint8_t value) {
+  const Op op = static_cast<Op>(value);
+  return {op_name(op), max_body_bytes(op), 0, op == Op::kHello || op == Op::kHelloAck};
+}
+
+constexpr wire_codec::FrameFormat kFormat{kCodec,
+                                          kFrameMagic,
+                                          kWireVersion,
+                                          static_cast<uint8_t>(Op::kHello),
+                                          static_cast<uint8_t>(Op::kNotify),
+                                          &op_rules};
+
 Bytes frame(Op op, const Bytes& body) {
-  Bytes out;
-  out.reserve(kFrameHeaderBytes + body.size());
-  ByteWriter w(out);
-  w.u32(kFrameMagic);
-  w.u16(kWireVersion);
-  w.u8(static_cast<uint8_t>(op));
-  w.u8(0);
-  w.u32(static_cast<uint32_t>(body.size()));
-  w.u32(0);
-  w.bytes(body.data(), body.size());
-  return out;
-}
-
-std::string_view clipped(const std::string& message) {
-  return std::string_view(message).substr(0, kMaxMessageBytes);
-}
-
-void put_status_head(ByteWriter& w, const Status& s) {
-  w.u16(static_cast<uint16_t>(s.code()));
-  w.u16(0);
-  w.u32(static_cast<uint32_t>(clipped(s.message()).size()));
-}
-
-// Reads a status message of `length` bytes that must end the body exactly.
-Status take_message(ByteReader& r, uint16_t code, uint32_t length, const char* what, Status* out) {
-  if (code > static_cast<uint16_t>(StatusCode::kInternal)) {
-    return err::ProtocolError(fmt::format("{} with unknown status code {}", what, code));
-  }
-  if (length > kMaxMessageBytes || length != r.remaining()) {
-    return err::ProtocolError(fmt::format("{}: message of {} bytes in {} bytes left (limit {})",
-                                          what, length, r.remaining(), kMaxMessageBytes));
-  }
-  auto m = r.bytes(length);
-  *out = Status(static_cast<StatusCode>(code),
-                std::string(reinterpret_cast<const char*>(m.data()), m.size()));
-  return Status::Ok();
-}
-
-Status exact(const ByteReader& r, size_t want_left, const char* what) {
-  if (!r.ok() || r.remaining() != want_left) {
-    return err::ProtocolError(fmt::format("{}: malformed body", what));
-  }
-  return Status::Ok();
+  return wire_codec::frame(kFormat, static_cast<uint8_t>(op), body);
 }
 
 }  // namespace
@@ -97,37 +71,9 @@ uint64_t max_body_bytes(Op op) {
 }
 
 Result<FrameHeader> decode_header(ByteView bytes) {
-  if (bytes.size() < kFrameHeaderBytes) return err::ProtocolError("cuda_ipc: short frame header");
-  ByteReader r(bytes.subspan(0, kFrameHeaderBytes));
-  const uint32_t magic = r.u32();
-  FrameHeader h;
-  h.version = r.u16();
-  const uint8_t op = r.u8();
-  const uint8_t flags = r.u8();
-  h.body_bytes = r.u32();
-  const uint32_t reserved = r.u32();
-  if (magic != kFrameMagic) {
-    return err::ProtocolError(
-        fmt::format("cuda_ipc: bad frame magic {:#010x} (expected {:#010x})", magic, kFrameMagic));
-  }
-  if (op < static_cast<uint8_t>(Op::kHello) || op > static_cast<uint8_t>(Op::kNotify)) {
-    return err::ProtocolError(fmt::format("cuda_ipc: unknown opcode {}", op));
-  }
-  h.op = static_cast<Op>(op);
-  if (flags != 0 || reserved != 0) {
-    return err::ProtocolError(
-        fmt::format("cuda_ipc: {} with flags {:#x}, reserved {:#x} (must be 0)", op_name(h.op),
-                    flags, reserved));
-  }
-  if (h.op != Op::kHello && h.op != Op::kHelloAck && h.version != kWireVersion) {
-    return err::ProtocolError(fmt::format("cuda_ipc: {} of wire version {}, expected {}",
-                                          op_name(h.op), h.version, kWireVersion));
-  }
-  if (h.body_bytes > max_body_bytes(h.op)) {
-    return err::ProtocolError(fmt::format("cuda_ipc: {} announces {} body bytes (limit {})",
-                                          op_name(h.op), h.body_bytes, max_body_bytes(h.op)));
-  }
-  return h;
+  auto h = wire_codec::decode_header(kFormat, bytes);
+  if (!h.ok()) return h.status();
+  return FrameHeader{h->version, static_cast<Op>(h->op), h->body_bytes};
 }
 
 Bytes encode_hello(const Hello& hello) {
@@ -141,10 +87,9 @@ Bytes encode_hello(const Hello& hello) {
 Bytes encode_hello_ack(const HelloAck& ack) {
   Bytes body;
   ByteWriter w(body);
-  put_status_head(w, ack.status);
+  wire_codec::put_status_head(kCodec, w, ack.status);
   w.u64(ack.engine_id);
-  const auto m = clipped(ack.status.message());
-  w.bytes(m.data(), m.size());
+  wire_codec::put_message(kCodec, w, ack.status);
   return frame(Op::kHelloAck, body);
 }
 
@@ -165,7 +110,7 @@ Bytes encode_grant(const Grant& g) {
   Bytes body;
   ByteWriter w(body);
   w.u64(g.request_id);
-  put_status_head(w, g.status);
+  wire_codec::put_status_head(kCodec, w, g.status);
   if (g.status.ok()) {
     w.u8(static_cast<uint8_t>(g.kind));
     w.u8(0);
@@ -183,8 +128,7 @@ Bytes encode_grant(const Grant& g) {
       w.bytes(p.handle.data(), p.handle.size());
     }
   }
-  const auto m = clipped(g.status.message());
-  w.bytes(m.data(), m.size());
+  wire_codec::put_message(kCodec, w, g.status);
   return frame(Op::kGrant, body);
 }
 
@@ -232,7 +176,10 @@ Result<HelloAck> decode_hello_ack(ByteView body) {
   HelloAck a;
   a.engine_id = r.u64();
   if (!r.ok()) return err::ProtocolError("cuda_ipc: HELLO_ACK shorter than 16 bytes");
-  if (Status s = take_message(r, code, length, "cuda_ipc: HELLO_ACK", &a.status); !s.ok()) return s;
+  if (Status s = wire_codec::take_status(kCodec, r, code, length, "HELLO_ACK", &a.status);
+      !s.ok()) {
+    return s;
+  }
   return a;
 }
 
@@ -246,7 +193,7 @@ Result<GrantRequest> decode_grant_request(ByteView body) {
   q.key = r.u64();
   q.access = r.u8();
   r.bytes(7);
-  if (Status s = exact(r, 0, "cuda_ipc: GRANT_REQ"); !s.ok()) return s;
+  if (Status s = wire_codec::expect_end(kCodec, r, "GRANT_REQ"); !s.ok()) return s;
   return q;
 }
 
@@ -310,7 +257,9 @@ Result<Grant> decode_grant(ByteView body) {
     }
     return g;
   }
-  if (Status s = take_message(r, code, length, "cuda_ipc: GRANT", &g.status); !s.ok()) return s;
+  if (Status s = wire_codec::take_status(kCodec, r, code, length, "GRANT", &g.status); !s.ok()) {
+    return s;
+  }
   return g;
 }
 
@@ -318,7 +267,7 @@ Result<uint32_t> decode_fds(ByteView body) {
   ByteReader r(body);
   const uint32_t count = r.u32();
   const uint32_t zero = r.u32();
-  if (Status s = exact(r, 0, "cuda_ipc: FDS"); !s.ok()) return s;
+  if (Status s = wire_codec::expect_end(kCodec, r, "FDS"); !s.ok()) return s;
   if (count == 0 || count > kMaxFdsPerFrame || zero != 0) {
     return err::ProtocolError(fmt::format("cuda_ipc: FDS announcing {} descriptors", count));
   }
@@ -365,7 +314,7 @@ Result<Address> decode_address(ByteView bytes) {
     return err::InvalidArgument(
         fmt::format("cuda_ipc address format {} (this build reads {})", format, kAddressFormat));
   }
-  if (gpus > kMaxAddressGpus || path_length == 0 || path_length > 107) {
+  if (gpus > kMaxAddressGpus || path_length == 0 || path_length > unix_socket::kMaxPath) {
     return err::InvalidArgument(
         fmt::format("cuda_ipc address: {} GPUs, path of {} bytes", gpus, path_length));
   }

@@ -34,6 +34,7 @@
 
 #include "ferry/status.h"
 #include "ferry/types.h"
+#include "transport/common/wire_codec.h"
 
 namespace ferry::cuda_ipc {
 
@@ -42,7 +43,7 @@ static_assert(std::endian::native == std::endian::little,
 
 constexpr uint32_t kFrameMagic = 0x50494346;  // "FCIP"
 constexpr uint16_t kWireVersion = 1;
-constexpr size_t kFrameHeaderBytes = 16;
+constexpr size_t kFrameHeaderBytes = wire_codec::kFrameHeaderBytes;
 constexpr size_t kHelloBytes = 16;
 constexpr size_t kGrantRequestBytes = 48;
 constexpr size_t kLegacyHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)

@@ -2,8 +2,12 @@
 
 #include "core/byte_codec.h"
 #include "fmt/format.h"
+#include "transport/common/wire_codec.h"
 
 namespace ferry::fabric {
+namespace {
+constexpr wire_codec::Codec kCodec{"fabric: ", kMaxTextBytes};
+}  // namespace
 
 const char* msg_type_name(uint8_t type) {
   switch (static_cast<MsgType>(type)) {
@@ -86,17 +90,6 @@ Result<Header> decode_header(const uint8_t* data, size_t len) {
   return h;
 }
 
-namespace {
-Status trailing(const ByteReader& r, const char* what) {
-  if (!r.ok()) return err::ProtocolError(fmt::format("fabric: truncated {}", what));
-  if (r.remaining() != 0) {
-    return err::ProtocolError(
-        fmt::format("fabric: {} has {} unexpected trailing bytes", what, r.remaining()));
-  }
-  return Status::Ok();
-}
-}  // namespace
-
 Bytes encode_hello(const Hello& h) {
   Bytes out;
   ByteWriter w(out);
@@ -121,7 +114,7 @@ Result<Hello> decode_hello(ByteView body) {
   }
   auto a = r.bytes(n);
   h.address.assign(a.begin(), a.end());
-  if (Status s = trailing(r, "HELLO"); !s.ok()) return s;
+  if (Status s = wire_codec::expect_end(kCodec, r, "HELLO"); !s.ok()) return s;
   return h;
 }
 
@@ -129,9 +122,7 @@ Bytes encode_status(const Status& s) {
   Bytes out;
   ByteWriter w(out);
   w.u8(static_cast<uint8_t>(s.code()));
-  std::string m = s.message();
-  if (m.size() > kMaxTextBytes) m.resize(kMaxTextBytes);
-  w.str16(m);
+  w.str16(wire_codec::clipped(kCodec, s.message()));
   return out;
 }
 
@@ -140,15 +131,18 @@ Status decode_status(ByteView body, Status* out, size_t* used) {
   const uint8_t code = r.u8();
   std::string m = r.str16();
   if (!r.ok()) return err::ProtocolError("fabric: truncated status");
-  if (code > static_cast<uint8_t>(StatusCode::kInternal) || m.size() > kMaxTextBytes) {
-    return err::ProtocolError(fmt::format("fabric: status code {} is unknown", code));
+  auto c = wire_codec::status_code(kCodec, code, "status");
+  if (!c.ok()) return c.status();
+  if (m.size() > kMaxTextBytes) {
+    return err::ProtocolError(
+        fmt::format("fabric: status message of {} bytes (limit {})", m.size(), kMaxTextBytes));
   }
   if (used) {
     *used = r.position();
-  } else if (r.remaining() != 0) {
-    return err::ProtocolError("fabric: status has trailing bytes");
+  } else if (Status s = wire_codec::expect_end(kCodec, r, "status"); !s.ok()) {
+    return s;
   }
-  *out = code == 0 ? Status::Ok() : Status(static_cast<StatusCode>(code), std::move(m));
+  *out = *c == StatusCode::kOk ? Status::Ok() : Status(*c, std::move(m));
   return Status::Ok();
 }
 
@@ -171,7 +165,7 @@ Result<GrantReq> decode_grant_req(ByteView body) {
   g.adv_length = r.u64();
   g.key = r.u64();
   g.access = r.u8();
-  if (Status s = trailing(r, "GRANT_REQ"); !s.ok()) return s;
+  if (Status s = wire_codec::expect_end(kCodec, r, "GRANT_REQ"); !s.ok()) return s;
   return g;
 }
 
@@ -190,7 +184,7 @@ Result<Grant> decode_grant(ByteView body) {
   ByteReader r(body.subspan(used));
   g.mr_key = r.u64();
   g.base = r.u64();
-  if (Status s = trailing(r, "GRANT"); !s.ok()) return s;
+  if (Status s = wire_codec::expect_end(kCodec, r, "GRANT"); !s.ok()) return s;
   return g;
 }
 
@@ -204,7 +198,7 @@ Bytes encode_u64(uint64_t v) {
 Result<uint64_t> decode_u64(ByteView body, const char* what) {
   ByteReader r(body);
   const uint64_t v = r.u64();
-  if (Status s = trailing(r, what); !s.ok()) return s;
+  if (Status s = wire_codec::expect_end(kCodec, r, what); !s.ok()) return s;
   return v;
 }
 

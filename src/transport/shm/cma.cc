@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <fstream>
 
 #include "fmt/format.h"
@@ -30,11 +29,6 @@ std::string ptrace_hint() {
 }
 
 }  // namespace
-
-std::string errno_text(int err) {
-  const char* name = strerrorname_np(err);
-  return fmt::format("{} ({})", std::strerror(err), name ? name : fmt::format("errno {}", err));
-}
 
 Status cma_error(int err, pid_t pid, std::string_view call) {
   switch (err) {

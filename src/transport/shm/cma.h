@@ -15,11 +15,12 @@
 #include <string_view>
 
 #include "ferry/status.h"
+#include "transport/common/unix_socket.h"
 
 namespace ferry::shm {
 
-// "Operation not permitted (EPERM)".
-std::string errno_text(int err);
+// "Operation not permitted (EPERM)", in every shm message.
+using unix_socket::errno_text;
 
 // The Status for a failed process_vm_* call on `pid`: EPERM → PermissionDenied
 // (with the ptrace policy that likely refused it), ENOSYS → NotSupported,

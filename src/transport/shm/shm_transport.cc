@@ -19,6 +19,7 @@
 #include "core/thread_name.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
+#include "transport/common/unix_socket.h"
 
 namespace ferry::shm {
 
@@ -397,22 +398,16 @@ Status ShmTransport::open_listener() {
                     "choose a shorter shm.socket_dir",
                     path, path.size(), kMaxSocketPath));
   }
-  auto address = unix_address(path);
-  if (!address.ok()) return address.status();
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return err::Internal(fmt::format("shm: socket(AF_UNIX): {}", errno_text(errno)));
-  // The name holds our engine id and pid: a file there is a leftover.
-  ::unlink(path.c_str());
-  if (::bind(fd, reinterpret_cast<const sockaddr*>(&*address), sizeof(sockaddr_un)) != 0 ||
-      ::listen(fd, 128) != 0) {
-    const int e = errno;
-    ::close(fd);
+  // The name holds our engine id and pid: a file there is a leftover, which
+  // listen_at removes.
+  auto fd = unix_socket::listen_at(path, "shm");
+  if (!fd.ok()) {
+    if (fd.status().code() != StatusCode::kNotSupported) return fd.status();
     // Not a bad setting but this machine (a read-only or missing directory):
     // the engine runs without shm and reports why.
-    return err::NotSupported(
-        fmt::format("shm: cannot listen on {}: {} (shm.socket_dir)", path, errno_text(e)));
+    return err::NotSupported(fd.status().message() + " (shm.socket_dir)");
   }
-  listen_fd_ = fd;
+  listen_fd_ = *fd;
   socket_path_ = path;
   return Status::Ok();
 }

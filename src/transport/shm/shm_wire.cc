@@ -4,55 +4,32 @@
 
 #include "core/byte_codec.h"
 #include "fmt/format.h"
+#include "transport/common/wire_codec.h"
 
 namespace ferry::shm {
 namespace {
 
+// No prefix: the transport says "shm" and where around these messages.
+constexpr wire_codec::Codec kCodec{"", kMaxMessageBytes};
+
+wire_codec::OpRules op_rules(uint8_t value) {
+  const Op op = static_cast<Op>(value);
+  const uint8_t flags = op == Op::kWriteReq  ? kFlagNotification | kFlagStaged
+                        : op == Op::kReadReq ? kFlagStaged
+                                             : 0;
+  const bool handshake = op == Op::kHello || op == Op::kHelloAck || op == Op::kHelloDone;
+  return {op_name(op), max_body_bytes(op), flags, handshake};
+}
+
+constexpr wire_codec::FrameFormat kFormat{kCodec,
+                                          kFrameMagic,
+                                          kWireVersion,
+                                          static_cast<uint8_t>(Op::kHello),
+                                          static_cast<uint8_t>(Op::kCancel),
+                                          &op_rules};
+
 Bytes frame(Op op, const Bytes& body, uint8_t flags = 0) {
-  Bytes out;
-  out.reserve(kFrameHeaderBytes + body.size());
-  ByteWriter w(out);
-  w.u32(kFrameMagic);
-  w.u16(kWireVersion);
-  w.u8(static_cast<uint8_t>(op));
-  w.u8(flags);
-  w.u32(static_cast<uint32_t>(body.size()));
-  w.u32(0);
-  w.bytes(body.data(), body.size());
-  return out;
-}
-
-std::string_view clipped(const std::string& message) {
-  return std::string_view(message).substr(0, kMaxMessageBytes);
-}
-
-// Status code + message as they travel (u16 code, u16 reserved, u32 length
-// here; the message bytes are written last by the caller).
-void put_status_head(ByteWriter& w, const Status& s) {
-  w.u16(static_cast<uint16_t>(s.code()));
-  w.u16(0);
-  w.u32(static_cast<uint32_t>(clipped(s.message()).size()));
-}
-
-void put_message(ByteWriter& w, const Status& s) {
-  const std::string_view m = clipped(s.message());
-  w.bytes(m.data(), m.size());
-}
-
-// Reads the message of a status whose head was read into *out: exactly
-// `length` bytes must be left in the body.
-Status take_status(ByteReader& r, uint16_t code, uint32_t length, const char* what, Status* out) {
-  if (code > static_cast<uint16_t>(StatusCode::kInternal)) {
-    return err::ProtocolError(fmt::format("{} with unknown status code {}", what, code));
-  }
-  if (length > kMaxMessageBytes || length != r.remaining()) {
-    return err::ProtocolError(fmt::format("{}: message of {} bytes in {} bytes left (limit {})",
-                                          what, length, r.remaining(), kMaxMessageBytes));
-  }
-  auto m = r.bytes(length);
-  *out = Status(static_cast<StatusCode>(code),
-                std::string(reinterpret_cast<const char*>(m.data()), m.size()));
-  return Status::Ok();
+  return wire_codec::frame(kFormat, static_cast<uint8_t>(op), body, flags);
 }
 
 }  // namespace
@@ -120,43 +97,9 @@ uint64_t max_body_bytes(Op op) {
 }
 
 Result<FrameHeader> decode_header(ByteView bytes) {
-  if (bytes.size() < kFrameHeaderBytes) {
-    return err::ProtocolError(
-        fmt::format("truncated frame header ({} of {} bytes)", bytes.size(), kFrameHeaderBytes));
-  }
-  ByteReader r(bytes.first(kFrameHeaderBytes));
-  const uint32_t magic = r.u32();
-  FrameHeader h;
-  h.version = r.u16();
-  const uint8_t op = r.u8();
-  h.flags = r.u8();
-  h.body_bytes = r.u32();
-  const uint32_t reserved = r.u32();
-  if (magic != kFrameMagic) {
-    return err::ProtocolError(
-        fmt::format("bad frame magic {:#010x}, expected {:#010x}", magic, kFrameMagic));
-  }
-  if (op < static_cast<uint8_t>(Op::kHello) || op > static_cast<uint8_t>(Op::kCancel)) {
-    return err::ProtocolError(fmt::format("unknown opcode {}", op));
-  }
-  h.op = static_cast<Op>(op);
-  const bool handshake = h.op == Op::kHello || h.op == Op::kHelloAck || h.op == Op::kHelloDone;
-  if (!handshake && h.version != kWireVersion) {
-    return err::ProtocolError(fmt::format("{} frame of wire version {}, this engine speaks {}",
-                                          op_name(h.op), h.version, kWireVersion));
-  }
-  const uint8_t allowed_flags = h.op == Op::kWriteReq  ? kFlagNotification | kFlagStaged
-                                : h.op == Op::kReadReq ? kFlagStaged
-                                                       : 0;
-  if ((h.flags & ~allowed_flags) != 0 || reserved != 0) {
-    return err::ProtocolError(fmt::format("{} frame with flags {:#04x} / reserved {:#010x} set",
-                                          op_name(h.op), h.flags, reserved));
-  }
-  if (h.body_bytes > max_body_bytes(h.op)) {
-    return err::ProtocolError(fmt::format("{} frame announces {} body bytes (limit {})",
-                                          op_name(h.op), h.body_bytes, max_body_bytes(h.op)));
-  }
-  return h;
+  auto h = wire_codec::decode_header(kFormat, bytes);
+  if (!h.ok()) return h.status();
+  return FrameHeader{h->version, static_cast<Op>(h->op), h->flags, h->body_bytes};
 }
 
 // ---------------------------------------------------------------- requests ---
@@ -260,8 +203,8 @@ Bytes encode_response(uint64_t id, const Status& status) {
   Bytes body;
   ByteWriter w(body);
   w.u64(id);
-  put_status_head(w, status);
-  put_message(w, status);
+  wire_codec::put_status_head(kCodec, w, status);
+  wire_codec::put_message(kCodec, w, status);
   return frame(Op::kResponse, body);
 }
 
@@ -273,7 +216,10 @@ Result<Response> decode_response(ByteView body) {
   (void)r.u16();
   const uint32_t length = r.u32();
   if (!r.ok()) return err::ProtocolError(fmt::format("truncated RESPONSE ({} bytes)", body.size()));
-  if (Status s = take_status(r, code, length, "RESPONSE", &resp.status); !s.ok()) return s;
+  if (Status s = wire_codec::take_status(kCodec, r, code, length, "RESPONSE", &resp.status);
+      !s.ok()) {
+    return s;
+  }
   return resp;
 }
 
@@ -316,7 +262,7 @@ void put_handshake_head(ByteWriter& w, const Status& status, Mode mode, uint8_t 
   w.u16(static_cast<uint16_t>(status.code()));
   w.u8(static_cast<uint8_t>(mode));
   w.u8(flags);
-  w.u32(static_cast<uint32_t>(std::string_view(message).substr(0, kMaxMessageBytes).size()));
+  w.u32(static_cast<uint32_t>(wire_codec::clipped(kCodec, message).size()));
 }
 
 uint8_t handshake_flags(const Status& status, const std::string& refusal, uint64_t staging_bytes) {
@@ -334,7 +280,7 @@ Status take_handshake_message(ByteReader& r, uint16_t code, uint8_t flags, uint3
   if ((flags & ~(kHandshakeCmaRefused | kHandshakeArea)) != 0) {
     return err::ProtocolError(fmt::format("{} with unknown flags {:#04x}", what, flags));
   }
-  if (Status s = take_status(r, code, length, what, status); !s.ok()) return s;
+  if (Status s = wire_codec::take_status(kCodec, r, code, length, what, status); !s.ok()) return s;
   if (!status->ok() && flags != 0) {
     return err::ProtocolError(fmt::format("{}: a refusal with flags {:#04x}", what, flags));
   }
@@ -408,7 +354,7 @@ Bytes encode_hello_ack(const HelloAck& ack) {
   w.u32(0);
   w.u64(ack.probe_value);
   w.u64(ack.status.ok() ? ack.staging_bytes : 0);
-  const std::string_view m = std::string_view(message).substr(0, kMaxMessageBytes);
+  const std::string_view m = wire_codec::clipped(kCodec, message);
   w.bytes(m.data(), m.size());
   return frame(Op::kHelloAck, body);
 }
@@ -452,7 +398,7 @@ Bytes encode_hello_done(const HelloDone& done) {
   put_handshake_head(w, done.status, done.status.ok() ? done.mode : Mode::kAuto,
                      handshake_flags(done.status, done.cma_refusal, done.staging_bytes), message);
   w.u64(done.status.ok() ? done.staging_bytes : 0);
-  const std::string_view m = std::string_view(message).substr(0, kMaxMessageBytes);
+  const std::string_view m = wire_codec::clipped(kCodec, message);
   w.bytes(m.data(), m.size());
   return frame(Op::kHelloDone, body);
 }

@@ -45,6 +45,8 @@
 #include "core/region_registry.h"
 #include "ferry/status.h"
 #include "ferry/types.h"
+#include "transport/common/unix_socket.h"
+#include "transport/common/wire_codec.h"
 
 namespace ferry::shm {
 
@@ -53,7 +55,7 @@ static_assert(std::endian::native == std::endian::little,
 
 constexpr uint32_t kFrameMagic = 0x4D485346;  // "FSHM"
 constexpr uint16_t kWireVersion = 2;          // 2: staging mode
-constexpr size_t kFrameHeaderBytes = 16;
+constexpr size_t kFrameHeaderBytes = wire_codec::kFrameHeaderBytes;
 constexpr size_t kSegmentBytes = 64;
 constexpr size_t kRequestFixedBytes = 16;
 constexpr size_t kResponseFixedBytes = 16;
@@ -203,7 +205,7 @@ struct ShmAddress {
   uint32_t pid = 0;
 };
 constexpr uint8_t kAddressFormat = 1;
-constexpr size_t kMaxSocketPath = 107;  // sun_path holds 108 bytes with the NUL
+constexpr size_t kMaxSocketPath = unix_socket::kMaxPath;
 Bytes encode_address(const ShmAddress& address);
 Result<ShmAddress> decode_address(ByteView bytes);
 

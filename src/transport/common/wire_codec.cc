@@ -1,0 +1,105 @@
+#include "transport/common/wire_codec.h"
+
+#include "fmt/format.h"
+
+namespace ferry::wire_codec {
+
+std::string_view clipped(const Codec& codec, const std::string& message) {
+  return std::string_view(message).substr(0, codec.max_message_bytes);
+}
+
+Result<StatusCode> status_code(const Codec& codec, uint32_t code, std::string_view what) {
+  if (code > static_cast<uint32_t>(StatusCode::kInternal)) {
+    return err::ProtocolError(
+        fmt::format("{}{} with unknown status code {}", codec.error_prefix, what, code));
+  }
+  return static_cast<StatusCode>(code);
+}
+
+void put_status_head(const Codec& codec, ByteWriter& w, const Status& s) {
+  w.u16(static_cast<uint16_t>(s.code()));
+  w.u16(0);
+  w.u32(static_cast<uint32_t>(clipped(codec, s.message()).size()));
+}
+
+void put_message(const Codec& codec, ByteWriter& w, const Status& s) {
+  const std::string_view m = clipped(codec, s.message());
+  w.bytes(m.data(), m.size());
+}
+
+Status take_status(const Codec& codec, ByteReader& r, uint16_t code, uint32_t length,
+                   std::string_view what, Status* out) {
+  auto c = status_code(codec, code, what);
+  if (!c.ok()) return c.status();
+  if (length > codec.max_message_bytes || length != r.remaining()) {
+    return err::ProtocolError(fmt::format("{}{}: message of {} bytes in {} bytes left (limit {})",
+                                          codec.error_prefix, what, length, r.remaining(),
+                                          codec.max_message_bytes));
+  }
+  auto m = r.bytes(length);
+  *out = Status(*c, std::string(reinterpret_cast<const char*>(m.data()), m.size()));
+  return Status::Ok();
+}
+
+Status expect_end(const Codec& codec, const ByteReader& r, std::string_view what) {
+  if (!r.ok()) return err::ProtocolError(fmt::format("{}truncated {}", codec.error_prefix, what));
+  if (r.remaining() != 0) {
+    return err::ProtocolError(fmt::format("{}{} has {} unexpected trailing bytes",
+                                          codec.error_prefix, what, r.remaining()));
+  }
+  return Status::Ok();
+}
+
+Bytes frame(const FrameFormat& format, uint8_t op, const Bytes& body, uint8_t flags) {
+  Bytes out;
+  out.reserve(kFrameHeaderBytes + body.size());
+  ByteWriter w(out);
+  w.u32(format.magic);
+  w.u16(format.version);
+  w.u8(op);
+  w.u8(flags);
+  w.u32(static_cast<uint32_t>(body.size()));
+  w.u32(0);
+  w.bytes(body.data(), body.size());
+  return out;
+}
+
+Result<FrameHeader> decode_header(const FrameFormat& format, ByteView bytes) {
+  const std::string_view prefix = format.codec.error_prefix;
+  if (bytes.size() < kFrameHeaderBytes) {
+    return err::ProtocolError(fmt::format("{}truncated frame header ({} of {} bytes)", prefix,
+                                          bytes.size(), kFrameHeaderBytes));
+  }
+  ByteReader r(bytes.first(kFrameHeaderBytes));
+  const uint32_t magic = r.u32();
+  FrameHeader h;
+  h.version = r.u16();
+  h.op = r.u8();
+  h.flags = r.u8();
+  h.body_bytes = r.u32();
+  const uint32_t reserved = r.u32();
+  if (magic != format.magic) {
+    return err::ProtocolError(
+        fmt::format("{}bad frame magic {:#010x}, expected {:#010x}", prefix, magic, format.magic));
+  }
+  if (h.op < format.first_op || h.op > format.last_op) {
+    return err::ProtocolError(fmt::format("{}unknown opcode {}", prefix, h.op));
+  }
+  const OpRules rules = format.rules(h.op);
+  if (!rules.handshake && h.version != format.version) {
+    return err::ProtocolError(fmt::format("{}{} frame of wire version {}, this engine speaks {}",
+                                          prefix, rules.name, h.version, format.version));
+  }
+  if ((h.flags & ~rules.allowed_flags) != 0 || reserved != 0) {
+    return err::ProtocolError(fmt::format(
+        "{}{} frame with flags {:#04x} (allowed {:#04x}), reserved {:#010x} (must be 0)", prefix,
+        rules.name, h.flags, rules.allowed_flags, reserved));
+  }
+  if (h.body_bytes > rules.max_body_bytes) {
+    return err::ProtocolError(fmt::format("{}{} frame announces {} body bytes (limit {})", prefix,
+                                          rules.name, h.body_bytes, rules.max_body_bytes));
+  }
+  return h;
+}
+
+}  // namespace ferry::wire_codec
