@@ -23,7 +23,7 @@ log() { printf '\033[1m[ferry]\033[0m %s\n' "$*" >&2; }
 # --- dependencies -----------------------------------------------------------
 DEBIAN_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
-  libsodium-dev zlib1g-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
+  libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev googletest iproute2 python3 python3-venv python3-dev
   clang libclang-rt-14-dev
   etcd-server libcurl4-openssl-dev
@@ -83,7 +83,7 @@ build_python() {
 # build directory of build_python, so that after `./ferry.sh test` the wheel
 # holds the very build that pytest ran and only packaging is left to do -- then
 # auditwheel copies every shared library the wheel needs beyond the manylinux
-# policy (libsodium, fmt, spdlog, zlib, the CUDA runtime) into it (ferry.libs/)
+# policy (fmt, spdlog, the CUDA runtime) into it (ferry.libs/)
 # and gives it the highest manylinux tag the binaries allow.
 WHEEL_OUT=${FERRY_WHEEL_DIR:-$ROOT/dist}
 WHEEL_BUILD_DIR=${FERRY_WHEEL_BUILD_DIR:-$BUILD/python}

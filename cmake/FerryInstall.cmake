@@ -13,11 +13,11 @@ include(CMakePackageConfigHelpers)
 
 set(FERRY_CMAKE_INSTALL_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/ferry")
 
-# libferry's own dependencies (libsodium, zlib, fmt, spdlog, the CUDA runtime)
-# are private: no public header includes them. A consumer links only
-# libferry; the linker and the loader find libferry's dependencies through
-# its RUNPATH (the directories they were linked from outside the system's,
-# e.g. the CUDA toolkit's lib) or the system's library path. The build tree's
+# libferry's own dependencies (fmt, spdlog, the CUDA runtime) are private:
+# no public header includes them. A consumer links only libferry; the linker
+# and the loader find libferry's dependencies through its RUNPATH (the
+# directories they were linked from outside the system's, e.g. the CUDA
+# toolkit's lib) or the system's library path. The build tree's
 # libferry gets the same RUNPATH (BUILD_WITH_INSTALL_RPATH): else CMake pads
 # the build RUNPATH for the rewrite at install with a trailing ':', an empty
 # entry that the loader reads as the current directory, and the wheel (which

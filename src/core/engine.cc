@@ -2,7 +2,6 @@
 // notification queue, and routes work to the transport chosen per peer.
 #include "ferry/engine.h"
 
-#include <sodium.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -14,6 +13,7 @@
 #include "core/host_identity.h"
 #include "core/metadata.h"
 #include "core/options.h"
+#include "core/random_bytes.h"
 #include "core/region_registry.h"
 #include "core/transfer.h"
 #include "core/transport_set.h"
@@ -104,12 +104,11 @@ class Engine::Impl {
     log_to_stderr();
     wait_spin_ = std::chrono::microseconds(options_.get_uint("engine.wait_spin_us"));
     spdlog::set_level(parsed);
-    if (sodium_init() < 0) return err::Internal("libsodium failed to initialise");
     // register_memory tells GPU memory from host memory (host-only without CUDA).
     set_memory_kind_detector(&cuda_detect_memory_kind);
-    do {
-      randombytes_buf(&id_, sizeof id_);
-    } while (id_ == 0);
+    auto id = random_nonzero_u64();
+    if (!id.ok()) return err::Internal("engine id: " + id.status().message());
+    id_ = *id;
 
     host_id_ = options_.get_string("engine.host_id");
     if (host_id_.empty()) host_id_ = kernel_boot_id();

@@ -1,8 +1,7 @@
 #include "core/metadata.h"
 
-#include <zlib.h>
-
 #include "core/byte_codec.h"
+#include "core/crc32.h"
 #include "fmt/format.h"
 
 namespace ferry {
@@ -27,7 +26,7 @@ Bytes EngineMetadata::encode() const {
     w.u32(static_cast<uint32_t>(t.blob.size()));
     w.bytes(t.blob.data(), t.blob.size());
   }
-  w.u32(static_cast<uint32_t>(crc32(0, out.data(), static_cast<uInt>(out.size()))));
+  w.u32(crc32(out));
   return out;
 }
 
@@ -56,7 +55,7 @@ Result<EngineMetadata> EngineMetadata::decode(ByteView bytes) {
   const size_t body = bytes.size() - 4;
   uint32_t stored_crc;
   std::memcpy(&stored_crc, bytes.data() + body, 4);
-  const auto crc = static_cast<uint32_t>(crc32(0, bytes.data(), static_cast<uInt>(body)));
+  const uint32_t crc = crc32(bytes.first(body));
   if (crc != stored_crc) {
     return err::InvalidArgument(fmt::format(
         "engine metadata checksum mismatch: stored {:#010x}, computed {:#010x}", stored_crc, crc));

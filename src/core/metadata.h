@@ -2,7 +2,8 @@
 //
 // Layout (little endian): "FRYM" magic, u16 format version, u16 protocol
 // version, u64 engine id, str16 hostname, str16 host id, u16 transport count, then per
-// transport str16 name + u32 length + blob, then a u32 crc32 of all before it.
+// transport str16 name + u32 length + blob, then a u32 CRC-32 (core/crc32.h, zlib's
+// crc32) of all before it.
 #pragma once
 
 #include <string>

@@ -1,9 +1,9 @@
 #include "core/region_registry.h"
 
-#include <sodium.h>
-
 #include <thread>
 
+#include "core/random_bytes.h"
+#include "core/siphash.h"
 #include "fmt/format.h"
 
 namespace ferry {
@@ -53,14 +53,15 @@ Result<MemoryRegion> RegionRegistry::add(void* address, uint64_t length) {
     return err::InvalidArgument(
         fmt::format("register_memory: [{:#x}, +{}) wraps the address space", base, length));
   }
-  if (sodium_init() < 0) return err::Internal("libsodium failed to initialise (no entropy?)");
   auto region = std::make_shared<Region>();
   const MemoryKindInfo kind = g_detector.load()(address);
   region->info.address = address;
   region->info.length = length;
   region->info.kind = kind.kind;
   region->info.device = kind.device;
-  randombytes_buf(region->secret, sizeof region->secret);
+  if (Status s = random_bytes(region->secret, sizeof region->secret); !s.ok()) {
+    return err::Internal("register_memory: no secret for the region: " + s.message());
+  }
 
   std::unique_lock lock(mu_);
   // Regions may overlap (the same buffer registered twice is legal, as in
@@ -119,15 +120,13 @@ size_t RegionRegistry::size() const {
 
 uint64_t RegionRegistry::compute_key(const Region& region, uint64_t adv_offset, uint64_t adv_length,
                                      uint8_t access) {
-  static_assert(crypto_shorthash_KEYBYTES == 16 && crypto_shorthash_BYTES == 8);
+  static_assert(sizeof region.secret == kSipHashKeyBytes);
   uint8_t msg[8 * 3 + 1];
   std::memcpy(msg, &region.info.id, 8);
   std::memcpy(msg + 8, &adv_offset, 8);
   std::memcpy(msg + 16, &adv_length, 8);
   msg[24] = access;
-  uint64_t key;
-  crypto_shorthash(reinterpret_cast<uint8_t*>(&key), msg, sizeof msg, region.secret);
-  return key;
+  return siphash24(region.secret, msg);
 }
 
 Result<RemoteDescriptor> RegionRegistry::advertise(uint64_t engine_id, RegionId id, uint64_t offset,

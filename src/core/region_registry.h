@@ -1,6 +1,6 @@
 // Registry of local memory regions and the target-side access check.
 //
-// Each region gets a 128-bit secret from the CSPRNG (libsodium). The 64-bit
+// Each region gets a 128-bit secret from the kernel's CSPRNG (getrandom). The 64-bit
 // key in a RemoteDescriptor is SipHash-2-4(secret, region id, advertised
 // range, access): the target recomputes it per operation, so a descriptor
 // cannot be widened, retargeted or upgraded from read to write, and no per

@@ -11,7 +11,6 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sodium.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -29,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/random_bytes.h"
 #include "fmt/format.h"
 #include "transport/shm/cma.h"
 
@@ -77,7 +77,7 @@ struct Side {
                                 given);
     EXPECT_TRUE(o.ok()) << o.status().to_string();
     options = std::move(o.value());
-    randombytes_buf(&id, sizeof id);
+    EXPECT_TRUE(ferry::random_bytes(&id, sizeof id).ok());
     TransportContext ctx;
     ctx.engine_id = id;
     ctx.registry = &registry;
@@ -109,7 +109,6 @@ class ShmTransportTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     g_mode = GetParam();
-    ASSERT_GE(sodium_init(), 0);
     if (Status s = check_self(); !s.ok() && g_mode != "staging") GTEST_SKIP() << s.message();
   }
   // a connects to b in the test's mode; both see each other up, and say how.
@@ -421,15 +420,12 @@ TEST_P(ShmTransportTest, CrossProcessWriteReadAndKill) {
 
 class ShmStagingTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    g_mode = "auto";
-    ASSERT_GE(sodium_init(), 0);
-  }
+  void SetUp() override { g_mode = "auto"; }
 };
 
 std::vector<uint8_t> random_bytes(size_t n) {
   std::vector<uint8_t> v(n);
-  randombytes_buf(v.data(), v.size());
+  EXPECT_TRUE(ferry::random_bytes(v.data(), v.size()).ok());
   return v;
 }
 
@@ -561,7 +557,7 @@ class RawPeer {
     EXPECT_EQ(::connect(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
     timeval tv{5, 0};
     setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    randombytes_buf(&id_, sizeof id_);
+    EXPECT_TRUE(ferry::random_bytes(&id_, sizeof id_).ok());
   }
   ~RawPeer() {
     if (fd_ >= 0) ::close(fd_);

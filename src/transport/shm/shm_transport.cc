@@ -4,7 +4,6 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sodium.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -16,6 +15,7 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "core/random_bytes.h"
 #include "core/thread_name.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
@@ -236,12 +236,6 @@ Result<sockaddr_un> unix_address(const std::string& path) {
   }
   std::memcpy(a.sun_path, path.data(), path.size());
   return a;
-}
-
-uint64_t random_probe_value() {
-  uint64_t v = 0;
-  while (v == 0) randombytes_buf(&v, sizeof v);
-  return v;
 }
 
 // Calls piece(segment index, offset in it, length) for each piece of the
@@ -503,7 +497,9 @@ Result<PeerId> ShmTransport::connect(ByteView peer_address, PeerId expected_peer
   auto c = std::make_shared<Connection>();
   c->outgoing = true;
   c->via = address->socket_path;
-  c->probe_value = random_probe_value();
+  auto probe_value = random_nonzero_u64();
+  if (!probe_value.ok()) return probe_value.status();
+  c->probe_value = *probe_value;
   const Status s = handshake_out(*c, *address, expected_peer, Clock::now() + opt_.connect_timeout);
   if (!s.ok()) {
     spdlog::info("ferry shm: connecting to {} (pid {}) failed: {}", address->socket_path,
@@ -802,12 +798,19 @@ void ShmTransport::on_accept() {
       }
       return;
     }
+    auto probe_value = random_nonzero_u64();
+    if (!probe_value.ok()) {
+      spdlog::warn("ferry shm: refusing a connection on {}: {}", socket_path_,
+                   probe_value.status().message());
+      ::close(fd);
+      continue;
+    }
     auto c = std::make_shared<Connection>();
     c->fd = fd;
     c->via = socket_path_;
     c->state = Connection::State::kAwaitHello;
     c->handshake_deadline = Clock::now() + opt_.connect_timeout;
-    c->probe_value = random_probe_value();
+    c->probe_value = *probe_value;
     if (auto pid = peer_pid(fd); pid.ok()) c->pid = *pid;
     watch(c);
     ++handshaking_;

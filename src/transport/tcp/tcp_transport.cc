@@ -3,12 +3,12 @@
 #include "transport/tcp/tcp_transport.h"
 
 #include <sched.h>
-#include <sodium.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 
+#include "core/random_bytes.h"
 #include "core/thread_name.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
@@ -449,7 +449,7 @@ Result<std::shared_ptr<Group>> TcpTransport::open_group(const SocketAddress& add
   auto group = std::make_shared<Group>();
   group->outgoing = true;
   group->remote = address.to_string();
-  randombytes_buf(&group->nonce, sizeof group->nonce);
+  if (Status s = random_bytes(&group->nonce, sizeof group->nonce); !s.ok()) return s;
   std::vector<int> fds;
   auto close_all = [&] {
     for (int fd : fds) ::close(fd);
