@@ -61,6 +61,9 @@ constexpr size_t kCqBatch = 64;
 // unless the waiter says it stopped (stop_polling) -- a waiter that returned
 // with its transfer done usually comes back soon with the next one.
 constexpr int64_t kWaiterLeaseNs = 200000;
+// The longest the progress thread polls after its last event (it grows from
+// fabric.poll_spin_us while wake-ups follow each other closely).
+constexpr std::chrono::microseconds kMaxPollSpin{2000};
 constexpr uint32_t kApiVersion = FI_VERSION(1, 9);
 
 std::string hex_id(uint64_t id) {
@@ -1150,6 +1153,7 @@ void FabricTransport::cancel(Transfer& transfer) {
 void FabricTransport::wake(bool urgent) {
   if (wake_fd_ < 0) return;
   work_gen_.fetch_add(1);
+  if (urgent) urgent_gen_.fetch_add(1);
   // Out of a waiter's way, the progress thread needs waking only for what
   // the waiter leaves to it; new ops are moved by the waiter's polling.
   const Sleep state = sleeping_.load();
@@ -1338,9 +1342,11 @@ void FabricTransport::stop_polling(const Transfer& /*transfer*/, bool finished) 
 void FabricTransport::progress_loop() {
   name_this_thread("ferry-fabric");
   auto last_event = Clock::now();
+  Clock::duration spin = opt_.poll_spin;  // adapts: see the end of the loop
   uint64_t pumped_gen = 0;
   while (!stop_.load()) {
     const uint64_t gen = work_gen_.load();
+    const uint64_t urgent_gen = urgent_gen_.load();
     // A thread in wait() polled the CQ just now: it gets the completions
     // without a hand-over; two threads reading one CQ only take turns.
     const int64_t lease_left =
@@ -1351,10 +1357,11 @@ void FabricTransport::progress_loop() {
       std::lock_guard cq(cq_mu_);
       handled = drain_cq_locked(!waiter_polls);
     }
-    if (handled > 0 || work_gen_.load() != pumped_gen || backlog_.load(std::memory_order_relaxed)) {
+    if (handled > 0 || (!waiter_polls && (work_gen_.load() != pumped_gen ||
+                                          backlog_.load(std::memory_order_relaxed)))) {
       // Room freed, work posted, or the provider said EAGAIN before (progress
-      // may have made room, e.g. a connection came up): post what waits. An
-      // idle round leaves post_mu_ to a waiter that polls the CQ.
+      // may have made room, e.g. a connection came up): post what waits. A
+      // waiter that polls the CQ pumps on its own: post_mu_ is left to it.
       pumped_gen = work_gen_.load();
       std::lock_guard lock(post_mu_);
       pump_locked();
@@ -1369,7 +1376,7 @@ void FabricTransport::progress_loop() {
       // Out of the waiter's way until its lease runs out (it stopped
       // polling) or a wake() comes.
       sleeping_.store(Sleep::kWaiterPolls);
-      if (work_gen_.load() == gen) {
+      if (urgent_gen_.load() == urgent_gen) {
         struct pollfd fd = {wake_fd_, POLLIN, 0};
         const struct timespec ts = {0, lease_left};
         ::ppoll(&fd, 1, &ts, nullptr);
@@ -1385,7 +1392,7 @@ void FabricTransport::progress_loop() {
     // With manual progress (tcp;ofi_rxm) bytes move only while somebody reads
     // the CQ, on the target too: right after an event more usually follow,
     // so poll a little longer before paying for a sleep and a wake-up.
-    if (now - last_event < opt_.poll_spin) {
+    if (now - last_event < spin) {
       for (int i = 0; i < 32; ++i) cpu_relax();
       continue;
     }
@@ -1410,6 +1417,7 @@ void FabricTransport::progress_loop() {
       }
       fds[nfds++] = {cq_fd_, POLLIN, 0};
     }
+    const auto slept = Clock::now();
     ::poll(fds, nfds, cq_fd_ >= 0 ? timeout : 1);
     sleeping_.store(Sleep::kAwake);
     if (fds[0].revents & POLLIN) {
@@ -1417,6 +1425,14 @@ void FabricTransport::progress_loop() {
       [[maybe_unused]] auto r = ::read(wake_fd_, &v, sizeof v);
     }
     last_event = Clock::now();
+    // A target's provider moves incoming RMA without a completion to show for
+    // it, so activity shows only as wake-ups: woken by the CQ right after
+    // falling asleep means a stream is on -- poll longer next time (up to
+    // kMaxPollSpin), as a raw busy loop would; a longer sleep resets it.
+    const bool cq_woke = nfds > 1 && (fds[1].revents & POLLIN);
+    spin = cq_woke && last_event - slept < opt_.poll_spin
+               ? std::min<Clock::duration>(spin * 2, kMaxPollSpin)
+               : Clock::duration(opt_.poll_spin);
   }
 }
 

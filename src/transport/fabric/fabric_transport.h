@@ -319,6 +319,7 @@ class FabricTransport final : public Transport {
   enum class Sleep : uint8_t { kAwake, kOnCq, kWaiterPolls };
   std::atomic<Sleep> sleeping_{Sleep::kAwake};
   std::atomic<uint64_t> work_gen_{0};
+  std::atomic<uint64_t> urgent_gen_{0};       // wake(urgent): also for a waiter-polls sleep
   std::atomic<int64_t> waiter_polled_ns_{0};  // steady_clock ns of a waiter's last poll
   std::atomic<bool> error_pending_{false};  // a waiter saw FI_EAVAIL: the progress thread reads it
 };
