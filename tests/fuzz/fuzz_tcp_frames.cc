@@ -9,6 +9,7 @@
 #include <arpa/inet.h>
 #include <fuzzer/FuzzedDataProvider.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -37,6 +38,9 @@ Target& target() {
     ferry::EngineConfig config;
     config.options["engine.log_level"] = "off";
     config.options["tcp.io_threads"] = "1";
+    // The frames under test are tcp's; other transports (libfabric's
+    // providers, with their own threads and signal handlers) only add noise.
+    config.options["engine.transports"] = "tcp";
     t->engine = std::move(ferry::Engine::create(config).value());
     auto region = t->engine->register_memory(t->memory.data(), t->memory.size()).value();
     t->desc = t->engine->advertise(region.id).value();
@@ -114,18 +118,34 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::abort();
   }
   if (::connect(fd, reinterpret_cast<const sockaddr*>(&t.address), sizeof t.address) != 0) {
-    std::fprintf(stderr, "fuzz: connect failed: %s\n", std::strerror(errno));
-    std::abort();  // the engine stopped accepting connections
+    // libFuzzer's -timeout alarm (SIGALRM) can interrupt a blocking connect;
+    // the connection then completes on its own: wait for it and read its result.
+    int error = errno;
+    if (error == EINTR) {
+      pollfd p{fd, POLLOUT, 0};
+      while (::poll(&p, 1, 10000) < 0 && errno == EINTR) {
+      }
+      socklen_t len = sizeof error;
+      if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) error = errno;
+    }
+    if (error != 0) {
+      std::fprintf(stderr, "fuzz: connect failed: %s\n", std::strerror(error));
+      std::abort();  // the engine stopped accepting connections
+    }
   }
   size_t sent = 0;
   while (sent < stream.size()) {
     const ssize_t n = ::send(fd, stream.data() + sent, stream.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;  // the engine closed the connection: fine
     sent += static_cast<size_t>(n);
   }
   ::shutdown(fd, SHUT_WR);
   char sink[256];
-  while (::recv(fd, sink, sizeof sink, 0) > 0) {
+  for (;;) {
+    const ssize_t n = ::recv(fd, sink, sizeof sink, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
   }
   ::close(fd);
   for (uint8_t b : t.memory) {
