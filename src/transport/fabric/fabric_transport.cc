@@ -422,6 +422,7 @@ void FabricTransport::shutdown(const Status& reason) {
     for (auto& [t, j] : jobs_) all.push_back(j);
     for (auto& j : all) fail_job_locked(j, reason);
   }
+  drain_before_close();
   if (ep_) fi_close(&ep_->fid);
   ep_ = nullptr;
   {
@@ -1330,6 +1331,40 @@ void FabricTransport::progress(const Transfer& /*transfer*/) {
     pump_locked();
   }
   if (put_aside) wake(/*urgent=*/true);
+}
+
+void FabricTransport::drain_before_close() {
+  // Closing tcp;ofi_rxm's endpoint with hundreds of MiB of RMA still posted
+  // once crashed inside libfabric: give what is posted a moment to complete
+  // (or fail) first. Only completions are counted; messages that arrive are
+  // dropped (the engine is going away). Bounded: a dead peer's ops never end.
+  if (!cq_) return;
+  const auto until = Clock::now() + std::chrono::milliseconds(500);
+  struct fi_cq_data_entry entries[kCqBatch];
+  while (Clock::now() < until) {
+    {
+      std::lock_guard lock(post_mu_);
+      if (inflight_ == 0) return;
+    }
+    ssize_t n = fi_cq_read(cq_, entries, kCqBatch);
+    if (n == -FI_EAVAIL) {
+      struct fi_cq_err_entry e {};
+      if (fi_cq_readerr(cq_, &e, 0) <= 0) continue;
+      entries[0].op_context = e.op_context;
+      n = 1;
+    }
+    if (n <= 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      continue;
+    }
+    std::lock_guard lock(post_mu_);
+    for (ssize_t i = 0; i < n; ++i) {
+      Op* op = static_cast<Op*>(entries[i].op_context);
+      if (op && op->kind != Op::kRecv) {
+        on_completion(op, err::Cancelled("fabric: transport shut down"));
+      }
+    }
+  }
 }
 
 void FabricTransport::stop_polling(const Transfer& /*transfer*/, bool finished) {

@@ -243,6 +243,7 @@ class FabricTransport final : public Transport {
   void timers();
   void fail_peer(const std::shared_ptr<Peer>& p, const Status& reason);
   void wake(bool urgent = false);
+  void drain_before_close();  // shutdown(): lets posted ops finish, at most 500 ms
   Status post_recv(Op* op);
 
   std::string describe(const Peer& p) const;
