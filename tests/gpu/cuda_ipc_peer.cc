@@ -133,8 +133,8 @@ bool is_device(const Buffer& b) {
 }  // namespace
 
 int main() {
-  if (cudaSetDevice(0) != cudaSuccess) {
-    std::printf("error no CUDA device\n");
+  if (cudaSetDevice(gputest::peer_device()) != cudaSuccess) {
+    std::printf("error no CUDA device %d\n", gputest::peer_device());
     return 1;
   }
   auto engine = Engine::create();

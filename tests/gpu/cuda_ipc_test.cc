@@ -40,6 +40,10 @@ class CudaIpc : public ::testing::Test {
   void SetUp() override {
     std::string reason;
     if (!cuda_available(&reason)) GTEST_SKIP() << "skipped: " << reason;
+    if (gputest::peer_device() >= cuda_device_count()) {
+      GTEST_SKIP() << "skipped: the target process is to use GPU " << gputest::peer_device()
+                   << " (FERRY_TEST_PEER_DEVICE), this machine has " << cuda_device_count();
+    }
     std::string error;
     ASSERT_TRUE(target_.start(FERRY_CUDA_IPC_PEER, 0, &error)) << error;
     ASSERT_EQ(target_.ready_fields().size(), 2u);

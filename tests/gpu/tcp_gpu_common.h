@@ -3,11 +3,20 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
 
 namespace gputest {
+
+// The GPU a test's target process uses: $FERRY_TEST_PEER_DEVICE, else 0. Set
+// to 1 on a machine with two GPUs, the target's memory is on the other GPU
+// than the initiator's (GPU 0), as between a prefill and a decode server.
+inline int peer_device() {
+  const char* v = std::getenv("FERRY_TEST_PEER_DEVICE");
+  return v != nullptr && *v != 0 ? std::atoi(v) : 0;
+}
 
 inline std::string hex(const std::vector<uint8_t>& b) {
   std::string s;

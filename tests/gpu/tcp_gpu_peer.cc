@@ -20,8 +20,8 @@ using namespace ferry;
 
 int main(int argc, char** argv) {
   const size_t size = argc > 1 ? std::stoull(argv[1]) : (64u << 20);
-  if (cudaSetDevice(0) != cudaSuccess) {
-    std::printf("error no CUDA device\n");
+  if (cudaSetDevice(gputest::peer_device()) != cudaSuccess) {
+    std::printf("error no CUDA device %d\n", gputest::peer_device());
     return 1;
   }
   void* gpu = nullptr;
