@@ -220,7 +220,7 @@ class Engine::Impl {
   // Local checks of one batch; fills the segments handed to the transport.
   Status build_segments(PeerId peer, std::span<const LocalIov> local,
                         std::span<const RemoteIov> remote, uint8_t wanted,
-                        std::vector<Segment>* out, MemoryRoute* route) {
+                        std::vector<Segment>* out, MemoryRoute* route, bool* host_pairs) {
     const char* op = wanted == kAccessWrite ? "write" : "read";
     if (local.size() != remote.size()) {
       return err::InvalidArgument(
@@ -233,6 +233,7 @@ class Engine::Impl {
     out->resize(local.size());
     bool any_gpu = false;
     bool all_peer_gpu = true;
+    *host_pairs = false;  // an iov with no GPU memory on either side
     MemoryRegion cached{};
     for (size_t i = 0; i < local.size(); ++i) {
       const LocalIov& l = local[i];
@@ -273,6 +274,8 @@ class Engine::Impl {
       }
       any_gpu = any_gpu || cached.kind != MemoryKind::kHost || d->kind != MemoryKind::kHost;
       all_peer_gpu = all_peer_gpu && d->kind == MemoryKind::kCuda;
+      *host_pairs =
+          *host_pairs || (cached.kind != MemoryKind::kCuda && d->kind != MemoryKind::kCuda);
       Segment& s = (*out)[i];
       s.local = static_cast<uint8_t*>(l.address);
       s.length = l.length;
@@ -292,10 +295,12 @@ class Engine::Impl {
     std::vector<Segment> segments;
     const uint8_t wanted = op == TransferOp::kWrite ? kAccessWrite : kAccessRead;
     MemoryRoute route;
-    if (Status s = build_segments(peer, local, remote, wanted, &segments, &route); !s.ok()) {
+    bool host_pairs = false;
+    if (Status s = build_segments(peer, local, remote, wanted, &segments, &route, &host_pairs);
+        !s.ok()) {
       return s;
     }
-    auto chosen = transports_.choose(peer, route);
+    auto chosen = transports_.choose(peer, route, host_pairs);
     if (!chosen.ok()) return chosen.status();
     Transport* transport = *chosen;
     auto t = transfers_.create(op, peer);

@@ -13,14 +13,14 @@ std::string hex_peer(PeerId id) {
   return fmt::format("{:016x}", id);
 }
 
-bool can_carry(const TransportCaps& caps, MemoryRoute route) {
+bool can_carry(const TransportCaps& caps, MemoryRoute route, bool host_pairs = false) {
   switch (route) {
     case MemoryRoute::kHostOnly:
       return caps.host_memory;
     case MemoryRoute::kPeerGpu:
       return caps.cuda_memory;
     case MemoryRoute::kGpuToPeerHost:
-      return caps.cuda_memory && !caps.cuda_peer_only;
+      return caps.cuda_memory && (!caps.cuda_peer_only || (caps.gpu_to_peer_host && !host_pairs));
   }
   return false;
 }
@@ -146,15 +146,16 @@ bool TransportSet::connected(PeerId peer) const {
                      [peer](const Running& t) { return t.transport->is_connected(peer); });
 }
 
-const TransportSet::Running* TransportSet::pick(PeerId peer, MemoryRoute route) const {
+const TransportSet::Running* TransportSet::pick(PeerId peer, MemoryRoute route,
+                                                bool host_pairs) const {
   for (const Running& t : running_) {
-    if (can_carry(t.caps, route) && t.transport->is_connected(peer)) return &t;
+    if (can_carry(t.caps, route, host_pairs) && t.transport->is_connected(peer)) return &t;
   }
   return nullptr;
 }
 
-Result<Transport*> TransportSet::choose(PeerId peer, MemoryRoute route) const {
-  if (const Running* t = pick(peer, route)) return t->transport.get();
+Result<Transport*> TransportSet::choose(PeerId peer, MemoryRoute route, bool host_pairs) const {
+  if (const Running* t = pick(peer, route, host_pairs)) return t->transport.get();
   std::string connected;
   for (const Running& t : running_) {
     if (t.transport->is_connected(peer)) connected += (connected.empty() ? "" : ", ") + t.name;

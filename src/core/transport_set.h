@@ -60,8 +60,10 @@ class TransportSet {
   Transport* find(std::string_view name) const;
 
   // The transport for one call to `peer` moving `route`, or NotSupported
-  // naming what is connected and why nothing can carry it.
-  Result<Transport*> choose(PeerId peer, MemoryRoute route) const;
+  // naming what is connected and why nothing can carry it. `host_pairs`: some
+  // iov of a GPU route has host memory on both sides (a transport with
+  // TransportCaps::gpu_to_peer_host cannot carry that one).
+  Result<Transport*> choose(PeerId peer, MemoryRoute route, bool host_pairs = false) const;
   bool connected(PeerId peer) const;
 
   // Why `transport` is not connected to `peer` (a failed connect, another
@@ -71,7 +73,7 @@ class TransportSet {
   std::vector<PeerTransportInfo> describe_peer(PeerId peer) const;
 
  private:
-  const Running* pick(PeerId peer, MemoryRoute route) const;
+  const Running* pick(PeerId peer, MemoryRoute route, bool host_pairs = false) const;
 
   std::vector<Running> running_;  // by rank; fixed after start()
   std::vector<TransportInfo> unavailable_;

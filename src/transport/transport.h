@@ -55,6 +55,10 @@ struct TransportCaps {
   // transport maps the peer's GPU memory; it cannot reach the peer's host
   // memory).
   bool cuda_peer_only = false;
+  // With cuda_peer_only: also carries local GPU memory with peer host memory,
+  // provided every iov whose remote side is host memory has GPU memory on the
+  // local side (the target copies between the two; cuda_ipc).
+  bool gpu_to_peer_host = false;
   bool same_host_only = false;
   // connect() takes only the address blob from the peer's metadata (fabric),
   // never "host:port": Engine::connect(host_port) leaves such a transport out.

@@ -20,6 +20,13 @@
 // does not answer within cuda_ipc.revoke_timeout_ms loses its connection.
 // docs/design.md ("cuda_ipc: grants and revocation") has the full argument.
 //
+// Local GPU memory with peer *host* memory is target-driven instead (the
+// initiator cannot map the peer's host memory): the initiator exports its own
+// GPU allocation once per connection (PUSH_EXPORT), then sends COPY_REQs; the
+// target maps the export, checks every segment with check_remote (one bad
+// segment: nothing moves), copies with its own CopyStream between the mapped
+// GPU memory and its host region, and answers COPY_RESP once the copy is done.
+//
 // Threads: one epoll I/O thread reads every control socket and answers
 // grants and revocations; one completion thread polls the copy streams while
 // copies are in flight (and sleeps when none are), completes transfers,
@@ -114,6 +121,31 @@ struct Connection : std::enable_shared_from_this<Connection> {
   };
   std::unordered_map<uint64_t, GrantAnswer> grant_waits;  // request id →
 
+  // --- local GPU with peer host memory, initiator side ---
+  // push_mu serialises resolving exports and sending COPY_REQs, so no
+  // COPY_REQ can name an export that a later PUSH_EXPORT replaced.
+  std::mutex push_mu;
+  struct LocalExport {
+    uint64_t id = 0;
+    uint64_t buffer_id = 0;  // of the allocation at check_address when exported
+    uint64_t check_address = 0;
+    uint64_t span_base = 0;
+    uint64_t span_length = 0;
+  };
+  std::vector<LocalExport> local_exports;  // under push_mu
+  uint64_t next_export_id = 1;             // under push_mu
+  // COPY_REQs not yet answered (under mu): request id → transfer.
+  std::unordered_map<uint64_t, std::shared_ptr<Transfer>> push_waits;
+
+  // --- target side: the initiator's exports mapped here (I/O thread only) ---
+  struct PeerExport {
+    std::shared_ptr<Mapping> mapping;  // null when mapping failed: `error` says why
+    Status error;
+    uint64_t span_base = 0;
+    uint64_t span_length = 0;
+  };
+  std::unordered_map<uint64_t, PeerExport> peer_exports;  // export id →
+
   // --- I/O thread only ---
   Bytes rx;
   size_t rx_len = 0;
@@ -149,11 +181,25 @@ class CudaIpcTransport final : public Transport {
   // One copy stream per (device, kind): the default one (SM kernel for small
   // blocks, copy engine for large ones) and a copy-engine-only one for
   // pageable host memory, which the kernel cannot read.
+  // A COPY_REQ this engine serves as the target: answered when all its copy
+  // groups finished. Holds the regions' pins and the export mappings.
+  struct Served {
+    std::shared_ptr<Connection> conn;
+    uint64_t request_id = 0;
+    std::vector<RegionPin> pins;
+    std::vector<std::shared_ptr<Mapping>> mappings;
+    std::atomic<uint32_t> outstanding{0};
+    std::mutex mu;
+    Status error;  // under mu
+    bool has_notification = false;
+    Bytes notification;
+  };
   struct InFlight {
-    std::shared_ptr<Transfer> transfer;
+    std::shared_ptr<Transfer> transfer;  // null for a served COPY_REQ
     std::shared_ptr<Connection> conn;
     uint64_t ticket = 0;
     std::vector<std::shared_ptr<ImportedGrant>> grants;
+    std::shared_ptr<Served> served;
   };
   struct StreamSlot {
     int device = 0;
@@ -183,11 +229,24 @@ class CudaIpcTransport final : public Transport {
   Status on_grant(Connection& c, ByteView body);
   Status on_revoke(const std::shared_ptr<Connection>& c, ByteView body);
   Status on_revoke_ack(Connection& c, ByteView body);
+  Status on_push_export(Connection& c, ByteView body);
+  Status serve_copy(const std::shared_ptr<Connection>& c, CopyRequest& q);
+  Status on_copy_response(Connection& c, ByteView body);
 
   // --- initiator ---
   Result<std::shared_ptr<Connection>> live_connection(PeerId peer) const;
   Status post(PeerId peer, const std::shared_ptr<Transfer>& t, std::vector<Segment>& segments,
               bool write);
+  // The mapped-grant path for `segments` (peer GPU memory); `extra` more
+  // units of the transfer are counted outstanding (COPY_REQs sent after).
+  Status post_granted(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t,
+                      const std::vector<Segment>& segments, bool write, uint64_t extra);
+  // The target-driven path (local GPU, peer host memory): COPY_REQs built
+  // here, sent by send_copy_requests.
+  Status build_copy_requests(Connection& c, const std::vector<Segment>& segments, bool write,
+                             std::vector<CopyRequest>* out);
+  void send_copy_requests(Connection& c, const std::shared_ptr<Transfer>& t,
+                          std::vector<CopyRequest>& requests);
   // The grant for each segment (requested and mapped where missing), each
   // counted in flight once per use.
   Status acquire_grants(const std::shared_ptr<Connection>& c, const std::vector<Segment>& segments,
@@ -204,7 +263,8 @@ class CudaIpcTransport final : public Transport {
   // anything did. `check_failures`: also ask whether a stream failed.
   bool reap(bool check_failures);
   void finish_group(InFlight& f, const Status& status);
-  void finish_transfer(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t);
+  void finish_transfer(Connection& c, const std::shared_ptr<Transfer>& t);
+  void finish_served(Served& s);
   bool process_revokes();
   void enforce_revoke_deadlines();
   void wake_completion();

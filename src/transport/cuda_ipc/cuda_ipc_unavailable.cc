@@ -11,6 +11,7 @@ std::unique_ptr<Transport> create() {
   caps.host_memory = false;
   caps.cuda_memory = true;
   caps.cuda_peer_only = true;
+  caps.gpu_to_peer_host = true;
   caps.same_host_only = true;
   return std::make_unique<UnavailableTransport>(
       "cuda_ipc", caps, "cuda_ipc: this build of Ferry has no CUDA support");

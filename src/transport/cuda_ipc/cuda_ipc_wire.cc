@@ -19,11 +19,81 @@ constexpr wire_codec::FrameFormat kFormat{kCodec,
                                           kFrameMagic,
                                           kWireVersion,
                                           static_cast<uint8_t>(Op::kHello),
-                                          static_cast<uint8_t>(Op::kNotify),
+                                          static_cast<uint8_t>(Op::kCopyResponse),
                                           &op_rules};
 
 Bytes frame(Op op, const Bytes& body) {
   return wire_codec::frame(kFormat, static_cast<uint8_t>(op), body);
+}
+
+// The handles of a grant or export: kind, pieces, where they lie.
+void put_grant_body(ByteWriter& w, const Grant& g) {
+  w.u8(static_cast<uint8_t>(g.kind));
+  w.u8(0);
+  w.u8(0);
+  w.u8(0);
+  w.u32(static_cast<uint32_t>(g.pieces.size()));
+  w.bytes(g.gpu_uuid.data(), g.gpu_uuid.size());
+  w.u64(g.buffer_id);
+  w.u64(g.region_address);
+  w.u64(g.span_base);
+  w.u64(g.span_length);
+  for (const Piece& p : g.pieces) {
+    w.u64(p.offset);
+    w.u64(p.length);
+    w.bytes(p.handle.data(), p.handle.size());
+  }
+}
+
+// Reads what put_grant_body wrote; checks the pieces lie inside the span, in
+// order, without gaps, and that the span covers the region address.
+Status take_grant_body(ByteReader& r, const char* what, Grant* g) {
+  const uint8_t kind = r.u8();
+  r.bytes(3);
+  const uint32_t count = r.u32();
+  auto uuid = r.bytes(kUuidBytes);
+  if (r.ok()) std::copy(uuid.begin(), uuid.end(), g->gpu_uuid.begin());
+  g->buffer_id = r.u64();
+  g->region_address = r.u64();
+  g->span_base = r.u64();
+  g->span_length = r.u64();
+  if (!r.ok()) return err::ProtocolError(fmt::format("cuda_ipc: {} header truncated", what));
+  if (kind != static_cast<uint8_t>(HandleKind::kLegacy) &&
+      kind != static_cast<uint8_t>(HandleKind::kVmm)) {
+    return err::ProtocolError(fmt::format("cuda_ipc: {} with unknown handle kind {}", what, kind));
+  }
+  g->kind = static_cast<HandleKind>(kind);
+  if (count == 0 || count > kMaxPieces || (g->kind == HandleKind::kLegacy && count != 1)) {
+    return err::ProtocolError(fmt::format("cuda_ipc: {} with {} pieces", what, count));
+  }
+  if (uint64_t{count} * kPieceBytes > r.remaining()) {
+    return err::ProtocolError(
+        fmt::format("cuda_ipc: {} announces {} pieces in {} bytes", what, count, r.remaining()));
+  }
+  g->pieces.resize(count);
+  uint64_t next = 0;
+  for (Piece& p : g->pieces) {
+    p.offset = r.u64();
+    p.length = r.u64();
+    auto h = r.bytes(kLegacyHandleBytes);
+    std::copy(h.begin(), h.end(), p.handle.begin());
+    if (p.offset != next || p.length == 0 || p.length > g->span_length - p.offset) {
+      return err::ProtocolError(
+          fmt::format("cuda_ipc: {} piece [{}, +{}) is not the next piece of a {}-byte span at {}",
+                      what, p.offset, p.length, g->span_length, next));
+    }
+    next = p.offset + p.length;
+  }
+  if (next != g->span_length) {
+    return err::ProtocolError(fmt::format("cuda_ipc: {} pieces cover {} of the span's {} bytes",
+                                          what, next, g->span_length));
+  }
+  if (g->region_address < g->span_base || g->region_address - g->span_base >= g->span_length) {
+    return err::ProtocolError(
+        fmt::format("cuda_ipc: {} region address {:#x} outside its span [{:#x}, +{})", what,
+                    g->region_address, g->span_base, g->span_length));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -46,6 +116,12 @@ const char* op_name(Op op) {
       return "REVOKE_ACK";
     case Op::kNotify:
       return "NOTIFY";
+    case Op::kPushExport:
+      return "PUSH_EXPORT";
+    case Op::kCopyRequest:
+      return "COPY_REQ";
+    case Op::kCopyResponse:
+      return "COPY_RESP";
   }
   return "UNKNOWN";
 }
@@ -66,6 +142,13 @@ uint64_t max_body_bytes(Op op) {
       return 8 + uint64_t{kMaxRevokeIds} * 8;
     case Op::kNotify:
       return 8 + uint64_t{kMaxNotificationBytes};
+    case Op::kPushExport:
+      return 8 + 56 + uint64_t{kMaxPieces} * kPieceBytes;
+    case Op::kCopyRequest:
+      return kCopyRequestHeadBytes + uint64_t{kMaxCopySegments} * kCopySegmentBytes +
+             kMaxNotificationBytes;
+    case Op::kCopyResponse:
+      return 16 + uint64_t{kMaxMessageBytes};
   }
   return 0;
 }
@@ -111,23 +194,7 @@ Bytes encode_grant(const Grant& g) {
   ByteWriter w(body);
   w.u64(g.request_id);
   wire_codec::put_status_head(kCodec, w, g.status);
-  if (g.status.ok()) {
-    w.u8(static_cast<uint8_t>(g.kind));
-    w.u8(0);
-    w.u8(0);
-    w.u8(0);
-    w.u32(static_cast<uint32_t>(g.pieces.size()));
-    w.bytes(g.gpu_uuid.data(), g.gpu_uuid.size());
-    w.u64(g.buffer_id);
-    w.u64(g.region_address);
-    w.u64(g.span_base);
-    w.u64(g.span_length);
-    for (const Piece& p : g.pieces) {
-      w.u64(p.offset);
-      w.u64(p.length);
-      w.bytes(p.handle.data(), p.handle.size());
-    }
-  }
+  if (g.status.ok()) put_grant_body(w, g);
   wire_codec::put_message(kCodec, w, g.status);
   return frame(Op::kGrant, body);
 }
@@ -206,51 +273,7 @@ Result<Grant> decode_grant(ByteView body) {
   const uint32_t length = r.u32();
   if (!r.ok()) return err::ProtocolError("cuda_ipc: GRANT shorter than 16 bytes");
   if (code == static_cast<uint16_t>(StatusCode::kOk)) {
-    const uint8_t kind = r.u8();
-    r.bytes(3);
-    const uint32_t count = r.u32();
-    auto uuid = r.bytes(kUuidBytes);
-    if (r.ok()) std::copy(uuid.begin(), uuid.end(), g.gpu_uuid.begin());
-    g.buffer_id = r.u64();
-    g.region_address = r.u64();
-    g.span_base = r.u64();
-    g.span_length = r.u64();
-    if (!r.ok()) return err::ProtocolError("cuda_ipc: GRANT header truncated");
-    if (kind != static_cast<uint8_t>(HandleKind::kLegacy) &&
-        kind != static_cast<uint8_t>(HandleKind::kVmm)) {
-      return err::ProtocolError(fmt::format("cuda_ipc: GRANT with unknown handle kind {}", kind));
-    }
-    g.kind = static_cast<HandleKind>(kind);
-    if (count == 0 || count > kMaxPieces || (g.kind == HandleKind::kLegacy && count != 1)) {
-      return err::ProtocolError(fmt::format("cuda_ipc: GRANT with {} pieces", count));
-    }
-    if (uint64_t{count} * kPieceBytes > r.remaining()) {
-      return err::ProtocolError(
-          fmt::format("cuda_ipc: GRANT announces {} pieces in {} bytes", count, r.remaining()));
-    }
-    g.pieces.resize(count);
-    uint64_t next = 0;
-    for (Piece& p : g.pieces) {
-      p.offset = r.u64();
-      p.length = r.u64();
-      auto h = r.bytes(kLegacyHandleBytes);
-      std::copy(h.begin(), h.end(), p.handle.begin());
-      if (p.offset != next || p.length == 0 || p.length > g.span_length - p.offset) {
-        return err::ProtocolError(fmt::format(
-            "cuda_ipc: GRANT piece [{}, +{}) is not the next piece of a {}-byte span at {}",
-            p.offset, p.length, g.span_length, next));
-      }
-      next = p.offset + p.length;
-    }
-    if (next != g.span_length) {
-      return err::ProtocolError(fmt::format(
-          "cuda_ipc: GRANT pieces cover {} of the span's {} bytes", next, g.span_length));
-    }
-    if (g.region_address < g.span_base || g.region_address - g.span_base >= g.span_length) {
-      return err::ProtocolError(
-          fmt::format("cuda_ipc: GRANT region address {:#x} outside its span [{:#x}, +{})",
-                      g.region_address, g.span_base, g.span_length));
-    }
+    if (Status s = take_grant_body(r, "GRANT", &g); !s.ok()) return s;
     g.status = Status::Ok();
     if (length != 0 || r.remaining() != 0) {
       return err::ProtocolError("cuda_ipc: GRANT with trailing bytes");
@@ -284,6 +307,132 @@ Result<std::vector<uint64_t>> decode_revoke(ByteView body) {
   std::vector<uint64_t> ids(count);
   for (uint64_t& id : ids) id = r.u64();
   return ids;
+}
+
+Bytes encode_push_export(const PushExport& e) {
+  Bytes body;
+  ByteWriter w(body);
+  w.u64(e.export_id);
+  put_grant_body(w, e.grant);
+  return frame(Op::kPushExport, body);
+}
+
+Bytes encode_copy_request(const CopyRequest& q) {
+  Bytes body;
+  ByteWriter w(body);
+  w.u64(q.id);
+  w.u8(static_cast<uint8_t>(q.direction));
+  w.u8(q.has_notification ? 1 : 0);
+  w.u16(0);
+  w.u32(static_cast<uint32_t>(q.segments.size()));
+  w.u32(static_cast<uint32_t>(q.notification.size()));
+  w.u32(0);
+  for (const CopySegment& s : q.segments) {
+    w.u64(s.remote.region_id);
+    w.u64(s.remote.adv_offset);
+    w.u64(s.remote.adv_length);
+    w.u64(s.remote.key);
+    w.u64(s.remote.offset);
+    w.u64(s.remote.length);
+    w.u64(s.export_id);
+    w.u64(s.export_offset);
+    w.u8(s.remote.access);
+    for (int i = 0; i < 7; ++i) w.u8(0);
+  }
+  w.bytes(q.notification.data(), q.notification.size());
+  return frame(Op::kCopyRequest, body);
+}
+
+Bytes encode_copy_response(const CopyResponse& a) {
+  Bytes body;
+  ByteWriter w(body);
+  w.u64(a.request_id);
+  wire_codec::put_status_head(kCodec, w, a.status);
+  wire_codec::put_message(kCodec, w, a.status);
+  return frame(Op::kCopyResponse, body);
+}
+
+Result<PushExport> decode_push_export(ByteView body) {
+  ByteReader r(body);
+  PushExport e;
+  e.export_id = r.u64();
+  if (!r.ok()) return err::ProtocolError("cuda_ipc: PUSH_EXPORT shorter than 8 bytes");
+  if (Status s = take_grant_body(r, "PUSH_EXPORT", &e.grant); !s.ok()) return s;
+  if (Status s = wire_codec::expect_end(kCodec, r, "PUSH_EXPORT"); !s.ok()) return s;
+  e.grant.status = Status::Ok();
+  return e;
+}
+
+Result<CopyRequest> decode_copy_request(ByteView body) {
+  ByteReader r(body);
+  CopyRequest q;
+  q.id = r.u64();
+  const uint8_t direction = r.u8();
+  const uint8_t flags = r.u8();
+  const uint16_t zero16 = r.u16();
+  const uint32_t count = r.u32();
+  const uint32_t notification = r.u32();
+  const uint32_t zero32 = r.u32();
+  if (!r.ok()) {
+    return err::ProtocolError(
+        fmt::format("cuda_ipc: COPY_REQ shorter than {} bytes", kCopyRequestHeadBytes));
+  }
+  if (direction != static_cast<uint8_t>(CopyDirection::kWrite) &&
+      direction != static_cast<uint8_t>(CopyDirection::kRead)) {
+    return err::ProtocolError(fmt::format("cuda_ipc: COPY_REQ with direction {}", direction));
+  }
+  q.direction = static_cast<CopyDirection>(direction);
+  if ((flags & ~1u) != 0 || zero16 != 0 || zero32 != 0) {
+    return err::ProtocolError(fmt::format("cuda_ipc: COPY_REQ with flags {:#x}", flags));
+  }
+  q.has_notification = (flags & 1u) != 0;
+  if (count == 0 || count > kMaxCopySegments) {
+    return err::ProtocolError(
+        fmt::format("cuda_ipc: COPY_REQ with {} segments (1 to {})", count, kMaxCopySegments));
+  }
+  if (notification > kMaxNotificationBytes || (notification != 0 && !q.has_notification) ||
+      (q.has_notification && q.direction != CopyDirection::kWrite)) {
+    return err::ProtocolError(
+        fmt::format("cuda_ipc: COPY_REQ with a {}-byte notification (flags {:#x}, direction {})",
+                    notification, flags, direction));
+  }
+  if (uint64_t{count} * kCopySegmentBytes + notification != r.remaining()) {
+    return err::ProtocolError(fmt::format(
+        "cuda_ipc: COPY_REQ announces {} segments and {} notification bytes in {} bytes", count,
+        notification, r.remaining()));
+  }
+  q.segments.resize(count);
+  for (CopySegment& s : q.segments) {
+    s.remote.region_id = r.u64();
+    s.remote.adv_offset = r.u64();
+    s.remote.adv_length = r.u64();
+    s.remote.key = r.u64();
+    s.remote.offset = r.u64();
+    s.remote.length = r.u64();
+    s.export_id = r.u64();
+    s.export_offset = r.u64();
+    s.remote.access = r.u8();
+    r.bytes(7);
+  }
+  auto n = r.bytes(notification);
+  q.notification.assign(n.begin(), n.end());
+  if (Status s = wire_codec::expect_end(kCodec, r, "COPY_REQ"); !s.ok()) return s;
+  return q;
+}
+
+Result<CopyResponse> decode_copy_response(ByteView body) {
+  ByteReader r(body);
+  CopyResponse a;
+  a.request_id = r.u64();
+  const uint16_t code = r.u16();
+  r.u16();
+  const uint32_t length = r.u32();
+  if (!r.ok()) return err::ProtocolError("cuda_ipc: COPY_RESP shorter than 16 bytes");
+  if (Status s = wire_codec::take_status(kCodec, r, code, length, "COPY_RESP", &a.status);
+      !s.ok()) {
+    return s;
+  }
+  return a;
 }
 
 Bytes encode_address(const Address& a) {

@@ -1,6 +1,8 @@
 // The cuda_ipc transport's control messages, on a Unix stream socket. Data
 // never travels on it: the initiator copies straight into (or out of) the
-// peer's GPU memory, which it has mapped with the handles granted here.
+// peer's GPU memory, which it has mapped with the handles granted here; or,
+// for local GPU memory with peer host memory, the initiator exports its GPU
+// allocation (PUSH_EXPORT) and the target copies (COPY_REQ / COPY_RESP).
 //
 // Every frame is a 16-byte header followed by `body_bytes` of body:
 //
@@ -20,6 +22,17 @@
 //   REVOKE      u32 count | u32 0 | count × u64 region id
 //   REVOKE_ACK  u32 count | u32 0 | count × u64 region id
 //   NOTIFY      u32 length | u32 0 | payload
+//   PUSH_EXPORT u64 export id | grant body (as GRANT's status-Ok part, no status):
+//               u8 handle kind | u8[3] 0 | u32 piece count | u8[16] GPU uuid |
+//               u64 buffer id | u64 region address | u64 span base | u64 span length |
+//               piece[count]; VMM descriptors come in FDS frames before it
+//   COPY_REQ    u64 request id | u8 direction (1 write into the target, 2 read) |
+//               u8 flags (bit 0: notification follows) | u16 0 | u32 segment count |
+//               u32 notification length | u32 0 | segment[count] | notification
+//     segment   u64 region id | u64 advertised offset | u64 advertised length | u64 key |
+//               u64 offset (from the advertised start) | u64 length | u64 export id |
+//               u64 offset in the export's span | u8 access | u8[7] 0              (72 bytes)
+//   COPY_RESP   u64 request id | u16 status | u16 0 | u32 message length | message
 //
 // All integers are little endian. A receiver checks every length before it
 // trusts it; anything else is a ProtocolError and the connection is closed.
@@ -32,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "core/region_registry.h"
 #include "ferry/status.h"
 #include "ferry/types.h"
 #include "transport/common/wire_codec.h"
@@ -42,7 +56,8 @@ static_assert(std::endian::native == std::endian::little,
               "the wire format is little endian; add byte swapping for this host");
 
 constexpr uint32_t kFrameMagic = 0x50494346;  // "FCIP"
-constexpr uint16_t kWireVersion = 1;
+// 2: PUSH_EXPORT, COPY_REQ, COPY_RESP (local GPU with peer host memory).
+constexpr uint16_t kWireVersion = 2;
 constexpr size_t kFrameHeaderBytes = wire_codec::kFrameHeaderBytes;
 constexpr size_t kHelloBytes = 16;
 constexpr size_t kGrantRequestBytes = 48;
@@ -56,6 +71,10 @@ constexpr uint32_t kMaxMessageBytes = 4096;
 constexpr uint32_t kMaxRevokeIds = 1 << 16;
 constexpr uint32_t kMaxFdsPerFrame = 250;
 constexpr uint32_t kMaxHandshakeBody = 8192;
+constexpr size_t kCopySegmentBytes = 72;
+constexpr size_t kCopyRequestHeadBytes = 24;
+// A larger batch goes out as several COPY_REQs (bounds the target's parse).
+constexpr uint32_t kMaxCopySegments = 4096;
 
 enum class Op : uint8_t {
   kHello = 1,
@@ -66,6 +85,9 @@ enum class Op : uint8_t {
   kRevoke = 6,
   kRevokeAck = 7,
   kNotify = 8,
+  kPushExport = 9,
+  kCopyRequest = 10,
+  kCopyResponse = 11,
 };
 const char* op_name(Op op);
 
@@ -125,6 +147,38 @@ struct Grant {
   std::vector<Piece> pieces;
 };
 
+// The initiator's GPU allocation shared with the target, so the target can
+// copy between it and its own host memory. `grant.request_id` and
+// `grant.status` are not sent.
+struct PushExport {
+  uint64_t export_id = 0;
+  Grant grant;
+};
+
+enum class CopyDirection : uint8_t {
+  kWrite = 1,  // initiator GPU -> target host (D2H on the target)
+  kRead = 2,   // target host -> initiator GPU (H2D on the target)
+};
+
+struct CopySegment {
+  RemoteAccessRequest remote;  // checked by the target (check_remote)
+  uint64_t export_id = 0;
+  uint64_t export_offset = 0;  // from the export's span base
+};
+
+struct CopyRequest {
+  uint64_t id = 0;
+  CopyDirection direction = CopyDirection::kWrite;
+  bool has_notification = false;
+  std::vector<CopySegment> segments;
+  Bytes notification;
+};
+
+struct CopyResponse {
+  uint64_t request_id = 0;
+  Status status;
+};
+
 // Encoders return whole frames (header + body).
 Bytes encode_hello(const Hello& hello);
 Bytes encode_hello_ack(const HelloAck& ack);
@@ -133,6 +187,9 @@ Bytes encode_grant(const Grant& grant);
 Bytes encode_fds(uint32_t count);
 Bytes encode_revoke(Op op, std::span<const uint64_t> region_ids);  // REVOKE or REVOKE_ACK
 Bytes encode_notify(ByteView payload);
+Bytes encode_push_export(const PushExport& e);
+Bytes encode_copy_request(const CopyRequest& q);
+Bytes encode_copy_response(const CopyResponse& r);
 
 // Decoders take the body of a frame whose header decode_header accepted.
 Result<Hello> decode_hello(ByteView body);
@@ -143,6 +200,12 @@ Result<GrantRequest> decode_grant_request(ByteView body);
 Result<Grant> decode_grant(ByteView body);
 Result<uint32_t> decode_fds(ByteView body);
 Result<std::vector<uint64_t>> decode_revoke(ByteView body);
+// Same checks on the pieces as decode_grant.
+Result<PushExport> decode_push_export(ByteView body);
+// Checks the counts against the body and the limits, direction and flags;
+// a notification only on a write.
+Result<CopyRequest> decode_copy_request(ByteView body);
+Result<CopyResponse> decode_copy_response(ByteView body);
 
 // The transport's address in engine metadata:
 //   u8 format (1) | u8 0 | u16 path length | u32 pid | u16 GPU count | u16 0 |

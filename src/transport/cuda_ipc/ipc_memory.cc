@@ -355,6 +355,16 @@ Mapping::~Mapping() {
   d.address_free(va, length_);
 }
 
+Status sync_default_stream(int device) {
+  cuda::DeviceGuard guard(device);
+  if (guard.status() != cudaSuccess) return cuda_status(guard.status(), "cudaSetDevice");
+  if (cudaError_t e = cudaStreamSynchronize(cudaStreamLegacy); e != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_status(e, "cudaStreamSynchronize(default stream)");
+  }
+  return Status::Ok();
+}
+
 Status ensure_peer_access(int from, int to) {
   if (from == to) return Status::Ok();
   static std::mutex mu;

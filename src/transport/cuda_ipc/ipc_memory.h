@@ -74,6 +74,10 @@ class Mapping {
   std::vector<std::pair<uint64_t, uint64_t>> vmm_ranges_;  // mapped (offset, length)
 };
 
+// Waits for work queued on `device`'s legacy default stream: a copy another
+// process makes from (or into) our memory cannot be ordered after it on the GPU.
+Status sync_default_stream(int device);
+
 // Lets kernels and copies on `from` reach memory of `to` (cudaDeviceEnablePeerAccess,
 // once per pair). Ok when they are the same device.
 Status ensure_peer_access(int from, int to);
