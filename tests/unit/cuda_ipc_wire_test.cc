@@ -1,0 +1,265 @@
+// The cuda_ipc transport's wire codec for the target-driven path (local GPU
+// with peer host memory): PUSH_EXPORT, COPY_REQ, COPY_RESP round trips, and
+// every truncation, bad count and bad field refused with ProtocolError. Bodies
+// are decoded from GuardedBuffers, so a read past the span crashes the test.
+#include "transport/cuda_ipc/cuda_ipc_wire.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "guarded_buffer.h"
+
+namespace ferry::cuda_ipc {
+namespace {
+
+using testing::GuardedBuffer;
+
+// The body of a whole frame, after checking its header names `op`.
+Bytes body_of(const Bytes& frame, Op op) {
+  auto h = decode_header(ByteView(frame.data(), kFrameHeaderBytes));
+  EXPECT_TRUE(h.ok()) << h.status().message();
+  EXPECT_EQ(h->op, op);
+  EXPECT_EQ(h->body_bytes, frame.size() - kFrameHeaderBytes);
+  EXPECT_LE(h->body_bytes, max_body_bytes(op));
+  return Bytes(frame.begin() + kFrameHeaderBytes, frame.end());
+}
+
+template <typename Decode>
+void ExpectEveryTruncationRefused(const Bytes& body, Decode decode) {
+  for (size_t n = 0; n < body.size(); ++n) {
+    GuardedBuffer g(std::span<const uint8_t>(body.data(), n));
+    auto r = decode(ByteView(g.span().data(), g.span().size()));
+    ASSERT_FALSE(r.ok()) << "a body cut to " << n << " of " << body.size() << " bytes";
+    EXPECT_EQ(r.status().code(), StatusCode::kProtocolError) << r.status().message();
+  }
+}
+
+template <typename Decode>
+auto Decode1(const Bytes& body, Decode decode) {
+  GuardedBuffer g(std::span<const uint8_t>(body.data(), body.size()));
+  return decode(ByteView(g.span().data(), g.span().size()));
+}
+
+PushExport SampleExport(HandleKind kind, uint32_t pieces) {
+  PushExport e;
+  e.export_id = 42;
+  e.grant.kind = kind;
+  for (int i = 0; i < 16; ++i) e.grant.gpu_uuid[i] = static_cast<uint8_t>(i + 1);
+  e.grant.buffer_id = 0xabcdef;
+  e.grant.span_base = 0x7f0000000000ull;
+  e.grant.region_address = e.grant.span_base + 4096;
+  e.grant.span_length = uint64_t{pieces} << 21;
+  for (uint32_t i = 0; i < pieces; ++i) {
+    Piece p;
+    p.offset = uint64_t{i} << 21;
+    p.length = 1 << 21;
+    p.handle[0] = static_cast<uint8_t>(i + 7);
+    p.handle[63] = 0x5a;
+    e.grant.pieces.push_back(p);
+  }
+  return e;
+}
+
+CopyRequest SampleRequest(uint32_t segments, bool notify) {
+  CopyRequest q;
+  q.id = 99;
+  q.direction = CopyDirection::kWrite;
+  for (uint32_t i = 0; i < segments; ++i) {
+    CopySegment s;
+    s.remote.region_id = 5 + i;
+    s.remote.adv_offset = 128;
+    s.remote.adv_length = 1 << 20;
+    s.remote.key = 0x1122334455667788ull + i;
+    s.remote.access = kAccessReadWrite;
+    s.remote.offset = 4096ull * i;
+    s.remote.length = 4096;
+    s.export_id = 3;
+    s.export_offset = 8192ull * i;
+    q.segments.push_back(s);
+  }
+  if (notify) {
+    q.has_notification = true;
+    q.notification = Bytes{'k', 'v', 0, 1};
+  }
+  return q;
+}
+
+TEST(CudaIpcWire, PushExportRoundTrip) {
+  for (HandleKind kind : {HandleKind::kLegacy, HandleKind::kVmm}) {
+    const PushExport e = SampleExport(kind, kind == HandleKind::kLegacy ? 1 : 3);
+    const Bytes body = body_of(encode_push_export(e), Op::kPushExport);
+    auto back = Decode1(body, decode_push_export);
+    ASSERT_TRUE(back.ok()) << back.status().message();
+    EXPECT_EQ(back->export_id, e.export_id);
+    EXPECT_EQ(back->grant.kind, kind);
+    EXPECT_EQ(back->grant.gpu_uuid, e.grant.gpu_uuid);
+    EXPECT_EQ(back->grant.buffer_id, e.grant.buffer_id);
+    EXPECT_EQ(back->grant.region_address, e.grant.region_address);
+    EXPECT_EQ(back->grant.span_base, e.grant.span_base);
+    EXPECT_EQ(back->grant.span_length, e.grant.span_length);
+    ASSERT_EQ(back->grant.pieces.size(), e.grant.pieces.size());
+    for (size_t i = 0; i < e.grant.pieces.size(); ++i) {
+      EXPECT_EQ(back->grant.pieces[i].offset, e.grant.pieces[i].offset);
+      EXPECT_EQ(back->grant.pieces[i].length, e.grant.pieces[i].length);
+      EXPECT_EQ(back->grant.pieces[i].handle, e.grant.pieces[i].handle);
+    }
+    ExpectEveryTruncationRefused(body, decode_push_export);
+    Bytes longer = body;
+    longer.push_back(0);
+    EXPECT_EQ(Decode1(longer, decode_push_export).status().code(), StatusCode::kProtocolError);
+  }
+}
+
+TEST(CudaIpcWire, PushExportBadFieldsRefused) {
+  auto refused = [](const PushExport& e) {
+    auto r = Decode1(body_of(encode_push_export(e), Op::kPushExport), decode_push_export);
+    return !r.ok() && r.status().code() == StatusCode::kProtocolError;
+  };
+  PushExport e = SampleExport(HandleKind::kVmm, 2);
+  e.grant.kind = static_cast<HandleKind>(9);
+  EXPECT_TRUE(refused(e)) << "unknown handle kind";
+  e = SampleExport(HandleKind::kLegacy, 2);
+  EXPECT_TRUE(refused(e)) << "a legacy export has one piece";
+  e = SampleExport(HandleKind::kVmm, 2);
+  e.grant.pieces[1].offset += 1;
+  EXPECT_TRUE(refused(e)) << "a gap between pieces";
+  e = SampleExport(HandleKind::kVmm, 2);
+  e.grant.span_length += 1;
+  EXPECT_TRUE(refused(e)) << "pieces short of the span";
+  e = SampleExport(HandleKind::kVmm, 2);
+  e.grant.region_address = e.grant.span_base + e.grant.span_length;
+  EXPECT_TRUE(refused(e)) << "region address outside the span";
+  e = SampleExport(HandleKind::kVmm, 1);
+  e.grant.pieces.clear();
+  EXPECT_TRUE(refused(e)) << "no pieces";
+
+  // A piece count larger than the body.
+  Bytes body = body_of(encode_push_export(SampleExport(HandleKind::kVmm, 1)), Op::kPushExport);
+  const uint32_t huge = 1000;
+  std::memcpy(body.data() + 8 + 4, &huge, 4);
+  EXPECT_EQ(Decode1(body, decode_push_export).status().code(), StatusCode::kProtocolError);
+}
+
+TEST(CudaIpcWire, CopyRequestRoundTrip) {
+  for (uint32_t n : {1u, 64u, kMaxCopySegments}) {
+    for (bool notify : {false, true}) {
+      const CopyRequest q = SampleRequest(n, notify);
+      const Bytes body = body_of(encode_copy_request(q), Op::kCopyRequest);
+      EXPECT_EQ(body.size(), kCopyRequestHeadBytes + n * kCopySegmentBytes + q.notification.size());
+      auto back = Decode1(body, decode_copy_request);
+      ASSERT_TRUE(back.ok()) << back.status().message();
+      EXPECT_EQ(back->id, q.id);
+      EXPECT_EQ(back->direction, q.direction);
+      EXPECT_EQ(back->has_notification, notify);
+      EXPECT_EQ(back->notification, q.notification);
+      ASSERT_EQ(back->segments.size(), n);
+      for (uint32_t i = 0; i < n; ++i) {
+        const CopySegment& a = back->segments[i];
+        const CopySegment& b = q.segments[i];
+        EXPECT_EQ(a.remote.region_id, b.remote.region_id);
+        EXPECT_EQ(a.remote.adv_offset, b.remote.adv_offset);
+        EXPECT_EQ(a.remote.adv_length, b.remote.adv_length);
+        EXPECT_EQ(a.remote.key, b.remote.key);
+        EXPECT_EQ(a.remote.access, b.remote.access);
+        EXPECT_EQ(a.remote.offset, b.remote.offset);
+        EXPECT_EQ(a.remote.length, b.remote.length);
+        EXPECT_EQ(a.export_id, b.export_id);
+        EXPECT_EQ(a.export_offset, b.export_offset);
+      }
+      if (n <= 64) ExpectEveryTruncationRefused(body, decode_copy_request);
+    }
+  }
+  CopyRequest read = SampleRequest(2, false);
+  read.direction = CopyDirection::kRead;
+  auto back = Decode1(body_of(encode_copy_request(read), Op::kCopyRequest), decode_copy_request);
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(back->direction, CopyDirection::kRead);
+}
+
+TEST(CudaIpcWire, CopyRequestBadFieldsRefused) {
+  auto refused = [](const Bytes& body) {
+    auto r = Decode1(body, decode_copy_request);
+    return !r.ok() && r.status().code() == StatusCode::kProtocolError;
+  };
+  const Bytes good = body_of(encode_copy_request(SampleRequest(2, true)), Op::kCopyRequest);
+  ASSERT_FALSE(refused(good));
+  Bytes b = good;
+  b[8] = 3;  // direction
+  EXPECT_TRUE(refused(b)) << "unknown direction";
+  b = good;
+  b[9] = 2;  // flags
+  EXPECT_TRUE(refused(b)) << "unknown flag";
+  b = good;
+  b[10] = 1;  // reserved u16
+  EXPECT_TRUE(refused(b)) << "reserved bytes set";
+  b = good;
+  b[20] = 1;  // reserved u32
+  EXPECT_TRUE(refused(b)) << "reserved bytes set";
+  b = good;
+  b[8] = static_cast<uint8_t>(CopyDirection::kRead);
+  EXPECT_TRUE(refused(b)) << "a read with a notification";
+  b = good;
+  b[9] = 0;
+  EXPECT_TRUE(refused(b)) << "notification bytes without the flag";
+  auto set_u32 = [](Bytes& body, size_t at, uint32_t v) { std::memcpy(body.data() + at, &v, 4); };
+  b = good;
+  set_u32(b, 12, 0);
+  EXPECT_TRUE(refused(b)) << "no segments";
+  b = good;
+  set_u32(b, 12, 3);
+  EXPECT_TRUE(refused(b)) << "more segments than the body holds";
+  b = good;
+  set_u32(b, 12, 1);
+  EXPECT_TRUE(refused(b)) << "fewer segments than the body holds";
+  b = good;
+  set_u32(b, 12, kMaxCopySegments + 1);
+  EXPECT_TRUE(refused(b)) << "over the segment limit";
+  b = good;
+  set_u32(b, 16, 5);
+  EXPECT_TRUE(refused(b)) << "a notification length that does not match";
+  b = good;
+  set_u32(b, 16, kMaxNotificationBytes + 1);
+  EXPECT_TRUE(refused(b)) << "a notification over the limit";
+  b = good;
+  b.push_back(0);
+  EXPECT_TRUE(refused(b)) << "a trailing byte";
+}
+
+TEST(CudaIpcWire, CopyResponseRoundTrip) {
+  for (const Status& s :
+       {Status::Ok(), err::PermissionDenied("segment 0: region 7: access key mismatch"),
+        err::OutOfRange("segment 3: region 9: [4096, +8192) outside 8192 bytes")}) {
+    const Bytes body = body_of(encode_copy_response({77, s}), Op::kCopyResponse);
+    auto back = Decode1(body, decode_copy_response);
+    ASSERT_TRUE(back.ok()) << back.status().message();
+    EXPECT_EQ(back->request_id, 77u);
+    EXPECT_EQ(back->status.code(), s.code());
+    EXPECT_EQ(back->status.message(), s.message());
+    ExpectEveryTruncationRefused(body, decode_copy_response);
+    Bytes longer = body;
+    longer.push_back('x');
+    EXPECT_EQ(Decode1(longer, decode_copy_response).status().code(), StatusCode::kProtocolError);
+  }
+}
+
+TEST(CudaIpcWire, NewOpsHaveNamesAndLimits) {
+  EXPECT_STREQ(op_name(Op::kPushExport), "PUSH_EXPORT");
+  EXPECT_STREQ(op_name(Op::kCopyRequest), "COPY_REQ");
+  EXPECT_STREQ(op_name(Op::kCopyResponse), "COPY_RESP");
+  // A header announcing more than the op's limit is refused before its body.
+  Bytes frame = encode_copy_response({1, Status::Ok()});
+  const uint32_t big = static_cast<uint32_t>(max_body_bytes(Op::kCopyResponse) + 1);
+  std::memcpy(frame.data() + 8, &big, 4);
+  EXPECT_EQ(decode_header(ByteView(frame.data(), kFrameHeaderBytes)).status().code(),
+            StatusCode::kProtocolError);
+  // An opcode past the last one.
+  frame = encode_copy_response({1, Status::Ok()});
+  frame[6] = static_cast<uint8_t>(Op::kCopyResponse) + 1;
+  EXPECT_EQ(decode_header(ByteView(frame.data(), kFrameHeaderBytes)).status().code(),
+            StatusCode::kProtocolError);
+}
+
+}  // namespace
+}  // namespace ferry::cuda_ipc
