@@ -4,6 +4,8 @@
 // cudaMalloc, sub-allocations inside one allocation, VMM (cuMem, two physical
 // pieces), a buffer freed and allocated again, deregistration while copies
 // run, notifications after the data, a peer killed mid-copy, and refusals.
+// Also local GPU memory with the target's pageable and pinned host memory,
+// which the target copies (PUSH_EXPORT + COPY_REQ).
 // Random data; every byte checked by the target process itself (FNV-1a of its
 // memory). Skips, with the reason, where no CUDA device answers.
 #include <cuda_runtime_api.h>
@@ -150,10 +152,10 @@ class CudaIpc : public ::testing::Test {
     if (gap == 0) ASSERT_EQ(back[stride * batch], 0xA5) << "byte after the last block written";
   }
 
-  std::string carrier() {
+  std::string carrier(const std::string& route = "peer GPU memory") {
     auto info = engine_->peer_transports(peer_);
     for (const auto& t : *info) {
-      if (t.carries.find("peer GPU memory") != std::string::npos) return t.transport;
+      if (t.carries.find(route) != std::string::npos) return t.transport;
     }
     return "none";
   }
@@ -172,9 +174,188 @@ TEST_F(CudaIpc, ChosenForPeerGpuMemory) {
   for (const auto& t : *info) {
     if (t.transport == "cuda_ipc") {
       EXPECT_TRUE(t.connected);
-      EXPECT_EQ(t.carries, "peer GPU memory");
+      EXPECT_EQ(t.carries, "peer GPU memory, local GPU with peer host memory");
     }
   }
+}
+
+// ---- local GPU memory with the target's host memory: the target copies ----
+
+TEST_F(CudaIpc, ChosenForLocalGpuWithPeerHostMemory) {
+  EXPECT_EQ(carrier("local GPU with peer host memory"), "cuda_ipc");
+}
+
+TEST_F(CudaIpc, LocalGpuWithPeerPageableHostMemory) {
+  RemoteDescriptor d = alloc("h", "host", 8u << 20);
+  write_read("gpu", "h", d, 4096, 1, 101);
+  write_read("gpu", "h", d, 4096, 64, 102);
+  write_read("gpu", "h", d, 4096, 1000, 103);
+  write_read("gpu", "h", d, 4096, 64, 104, 0);
+}
+
+TEST_F(CudaIpc, LocalGpuWithPeerPinnedHostMemory) {
+  RemoteDescriptor d = alloc("p", "pinned", 8u << 20);
+  write_read("gpu", "p", d, 4096, 1, 111);
+  write_read("gpu", "p", d, 4096, 64, 112);
+  write_read("gpu", "p", d, 4096, 1000, 113);
+  write_read("gpu", "p", d, 4096, 64, 114, 0);
+}
+
+TEST_F(CudaIpc, LocalGpuSubAllocationWithPeerHostMemory) {
+  // A region registered at an offset inside a larger cudaMalloc allocation:
+  // the export is of the allocation, the copy at the region's offset in it.
+  void* raw = nullptr;
+  ASSERT_EQ(cudaMalloc(&raw, 8u << 20), cudaSuccess);
+  auto* big = static_cast<uint8_t*>(raw);
+  uint8_t* sub = big + (1u << 20) + 256;
+  const size_t n = 64 * 4096;
+  ASSERT_TRUE(engine_->register_memory(sub, n + 1).ok());
+  for (const std::string kind : {"host", "pinned"}) {
+    SCOPED_TRACE(kind);
+    RemoteDescriptor d = alloc("s" + kind, kind, 1u << 20);
+    std::vector<uint8_t> image(n);
+    gputest::fill(image.data(), n, 121);
+    ASSERT_EQ(cudaMemcpy(sub, image.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
+    std::vector<LocalIov> l(64);
+    std::vector<RemoteIov> r(64);
+    for (size_t i = 0; i < 64; ++i) {
+      l[i] = {sub + i * 4096, 4096};
+      r[i] = {&d, (63 - i) * 4096 + 8, 4096};  // scattered, reversed
+    }
+    Status s = engine_->write(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    std::vector<uint8_t> expect(n + 8, 0);
+    for (size_t i = 0; i < 64; ++i) {
+      std::copy_n(image.begin() + static_cast<long>(i * 4096), 4096,
+                  expect.begin() + static_cast<long>((63 - i) * 4096 + 8));
+    }
+    EXPECT_EQ(remote_sum("s" + kind, 8, n), gputest::fnv(expect.data() + 8, n));
+    std::vector<uint8_t> poison(n + 1, 0xA5);
+    ASSERT_EQ(cudaMemcpy(sub, poison.data(), n + 1, cudaMemcpyHostToDevice), cudaSuccess);
+    s = engine_->read(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    std::vector<uint8_t> back(n + 1);
+    ASSERT_EQ(cudaMemcpy(back.data(), sub, n + 1, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(0, std::memcmp(back.data(), image.data(), n));
+    EXPECT_EQ(back[n], 0xA5) << "byte after the last block written";
+  }
+  engine_.reset();
+  cudaFree(big);
+}
+
+TEST_F(CudaIpc, LocalGpuWithPeerHostMemoryOneLargeBlock) {
+  const size_t n = (64u << 20) + 3;
+  void* raw = nullptr;
+  ASSERT_EQ(cudaMalloc(&raw, n + 1), cudaSuccess);
+  auto* big = static_cast<uint8_t*>(raw);
+  ASSERT_TRUE(engine_->register_memory(big, n + 1).ok());
+  for (const std::string kind : {"host", "pinned"}) {
+    SCOPED_TRACE(kind);
+    RemoteDescriptor d = alloc("b" + kind, kind, n);
+    std::vector<uint8_t> image(n);
+    gputest::fill(image.data(), n, kind == "host" ? 131 : 132);
+    ASSERT_EQ(cudaMemcpy(big, image.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
+    std::vector<LocalIov> l{{big, n}};
+    std::vector<RemoteIov> r{{&d, 0, n}};
+    Status s = engine_->write(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(remote_sum("b" + kind, 0, n), gputest::fnv(image.data(), n));
+    std::vector<uint8_t> poison(n + 1, 0xA5);
+    ASSERT_EQ(cudaMemcpy(big, poison.data(), n + 1, cudaMemcpyHostToDevice), cudaSuccess);
+    s = engine_->read(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    std::vector<uint8_t> back(n + 1);
+    ASSERT_EQ(cudaMemcpy(back.data(), big, n + 1, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(0, std::memcmp(back.data(), image.data(), n));
+    EXPECT_EQ(back[n], 0xA5) << "byte after the block written";
+  }
+  engine_.reset();
+  cudaFree(big);
+}
+
+TEST_F(CudaIpc, PeerHostMemoryWrongKeyAndOutOfRangeAreRefusedByTheTarget) {
+  RemoteDescriptor d = alloc("h", "host", 1u << 20);
+  ASSERT_EQ(target_.ask("fill h 7"), "ok");
+  std::vector<uint8_t> image(1u << 20);
+  gputest::fill(image.data(), image.size(), 7);
+  const uint64_t before = gputest::fnv(image.data(), image.size());
+
+  // A forged key in one segment of a batch: nothing of the batch is written.
+  RemoteDescriptor forged = d;
+  forged.key ^= 1;
+  std::vector<LocalIov> l{{gpu_, 4096}, {static_cast<uint8_t*>(gpu_) + 4096, 4096}};
+  std::vector<RemoteIov> r{{&d, 0, 4096}, {&forged, 4096, 4096}};
+  Status s = engine_->write(peer_, l, r);
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  EXPECT_NE(s.message().find("refused"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find(std::to_string(d.region_id)), std::string::npos) << s.to_string();
+  EXPECT_EQ(remote_sum("h", 0, image.size()), before);
+
+  // A descriptor stretched past the region (the initiator's own check passes,
+  // the target's key check over the claimed range refuses it).
+  RemoteDescriptor stretched = d;
+  stretched.length = d.length + 4096;
+  std::vector<RemoteIov> r2{{&d, 0, 4096}, {&stretched, d.length, 4096}};
+  s = engine_->write(peer_, l, r2);
+  EXPECT_FALSE(s.ok()) << s.to_string();
+  EXPECT_TRUE(s.code() == StatusCode::kOutOfRange || s.code() == StatusCode::kPermissionDenied)
+      << s.to_string();
+  EXPECT_EQ(remote_sum("h", 0, image.size()), before);
+
+  // The genuine descriptor still works.
+  write_read("gpu", "h", d, 4096, 8, 8);
+}
+
+TEST_F(CudaIpc, NotificationArrivesAfterTheDataInPeerHostMemory) {
+  for (const std::string kind : {"host", "pinned"}) {
+    SCOPED_TRACE(kind);
+    RemoteDescriptor d = alloc("n" + kind, kind, 32u << 20);
+    std::vector<uint8_t> image(32u << 20);
+    gputest::fill(image.data(), image.size(), kind == "host" ? 141 : 142);
+    put_local("gpu", image);
+    // One request (notification carried by COPY_REQ) and 5000 blocks (several
+    // requests, the notification follows the last answer).
+    for (size_t batch : {size_t{1}, size_t{5000}}) {
+      SCOPED_TRACE(batch);
+      const uint64_t block = image.size() / batch / 4096 * 4096;
+      std::vector<LocalIov> l(batch);
+      std::vector<RemoteIov> r(batch);
+      for (size_t i = 0; i < batch; ++i) {
+        l[i] = {static_cast<uint8_t*>(gpu_) + i * block, block};
+        r[i] = {&d, i * block, block};
+      }
+      const std::string tag = "kv-offloaded-" + kind + std::to_string(batch);
+      auto id = engine_->write_async(
+          peer_, l, r, ByteView(reinterpret_cast<const uint8_t*>(tag.data()), tag.size()));
+      ASSERT_TRUE(id.ok()) << id.status().to_string();
+      EXPECT_EQ(target_.ask("notif 10000"), "notif " + tag);
+      EXPECT_EQ(remote_sum("n" + kind, 0, block * batch),
+                gputest::fnv(image.data(), block * batch));
+      EXPECT_TRUE(engine_->wait(*id, std::chrono::seconds(10)).ok());
+    }
+  }
+}
+
+TEST_F(CudaIpc, PeerKilledMidCopyIntoPeerHostMemoryFailsPromptly) {
+  RemoteDescriptor d = alloc("h", "host", 64u << 20);
+  std::vector<LocalIov> l{{gpu_, 64u << 20}};
+  std::vector<RemoteIov> r{{&d, 0, 64u << 20}};
+  ASSERT_TRUE(engine_->write(peer_, l, r).ok());
+  std::vector<TransferId> ids;
+  for (int k = 0; k < 32; ++k) ids.push_back(engine_->write_async(peer_, l, r).value());
+  target_.kill_now();
+  const auto t0 = std::chrono::steady_clock::now();
+  size_t disconnected = 0;
+  for (TransferId id : ids) {
+    Status s = engine_->wait(id, std::chrono::seconds(10));
+    EXPECT_NE(s.code(), StatusCode::kTimeout) << s.to_string();
+    if (s.code() == StatusCode::kPeerDisconnected) ++disconnected;
+  }
+  EXPECT_GT(disconnected, 0u) << "some copies must have been cut off by the kill";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  Status s = engine_->write(peer_, l, r);
+  EXPECT_FALSE(s.ok());
 }
 
 TEST_F(CudaIpc, EveryLocalKindToMallocMemory) {
