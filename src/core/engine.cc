@@ -194,7 +194,7 @@ class Engine::Impl {
   }
 
   // "host memory over shm, peer GPU memory over cuda_ipc, local GPU with
-  // peer host memory over tcp"
+  // peer host memory over cuda_ipc" (tcp where cuda_ipc does not run)
   std::string describe_routes(PeerId peer) const {
     std::vector<std::string> parts;
     for (MemoryRoute route : kAllRoutes) {
