@@ -68,7 +68,7 @@ bool alloc_vmm(Buffer& b) {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = 0;
+  prop.location.id = gputest::peer_device();  // the GPU this process uses
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t g = 0;
   if (granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS) return false;
@@ -83,7 +83,7 @@ bool alloc_vmm(Buffer& b) {
   }
   CUmemAccessDesc d{};
   d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  d.location.id = 0;
+  d.location.id = gputest::peer_device();
   d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   if (access(b.va, b.size, &d, 1) != CUDA_SUCCESS) return false;
   b.base = reinterpret_cast<uint8_t*>(b.va);
