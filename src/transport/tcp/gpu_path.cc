@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "core/cpu_relax.h"
 #include "core/thread_name.h"
 #include "fmt/format.h"
 
@@ -22,19 +23,19 @@ size_t completion_threads() {
 
 }  // namespace
 
-Result<std::unique_ptr<GpuPath>> GpuPath::create(size_t staging_bytes, uint32_t sm_budget,
+Result<std::unique_ptr<GpuPath>> GpuPath::create(const GpuPathOptions& options,
                                                  const std::string& thread_prefix) {
   std::string reason;
   if (!cuda_available(&reason)) return err::NotSupported("GPU memory over tcp: " + reason);
-  const size_t slots = std::max<size_t>(2, staging_bytes / kGpuFramePayload);
+  const size_t slots = std::max<size_t>(2, options.staging_bytes / kGpuFramePayload);
   auto pool = StagingPool::create(kGpuFramePayload, slots);
   if (!pool.ok()) return pool.status();
-  return std::unique_ptr<GpuPath>(new GpuPath(std::move(pool.value()), sm_budget, thread_prefix));
+  return std::unique_ptr<GpuPath>(new GpuPath(std::move(pool.value()), options, thread_prefix));
 }
 
-GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget,
+GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& options,
                  const std::string& thread_prefix)
-    : pool_(std::move(pool)), sm_budget_(sm_budget) {
+    : pool_(std::move(pool)), opt_(options) {
   if (const char* v = std::getenv("FERRY_TCP_GPU_TRACE"); v != nullptr && *v == '1') {
     tracing_ = true;
   }
@@ -122,12 +123,12 @@ std::unique_ptr<StagingSlot> GpuPath::slot_or_later(
   });
 }
 
-Result<CopyStream*> GpuPath::stream(int device) {
+Result<CopyStream*> GpuPath::stream(int device, bool for_inline) {
   std::lock_guard lock(streams_mu_);
-  auto& s = streams_[device];
+  auto& s = streams_[{device, for_inline}];
   if (!s) {
     CopyOptions options;
-    options.sm_budget = sm_budget_;
+    options.sm_budget = opt_.sm_budget;
     // Diagnostic knobs (measurement only): FERRY_TCP_GPU_KERNEL_MAX_BLOCK
     // (bytes) and FERRY_TCP_GPU_BATCH_API (0: one cudaMemcpyAsync per
     // copy-engine piece instead of cudaMemcpyBatchAsync).
@@ -154,7 +155,54 @@ bool GpuPath::take(std::condition_variable& cv, std::deque<T>& queue, const bool
   return true;
 }
 
+bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done) {
+  if (copies.empty()) return false;
+  uint64_t bytes = 0;
+  for (const auto& c : copies) {
+    if (c.device != copies.front().device) return false;
+    bytes += c.block.size;
+  }
+  if (bytes > opt_.inline_bytes) return false;
+  Waiting w;
+  w.queued = w.submit_begin = Clock::now();
+  auto s = stream(copies.front().device, true);
+  if (!s.ok()) return false;  // the queued path reports it
+  std::vector<CopyBlock> blocks;
+  blocks.reserve(copies.size());
+  for (const auto& c : copies) blocks.push_back(c.block);
+  auto ticket = (*s)->submit(blocks);
+  w.submit_end = Clock::now();
+  if (!ticket.ok()) {
+    done(Status(ticket.status().code(), "GPU staging copy failed: " + ticket.status().message()));
+    return true;
+  }
+  // Spin: the copy takes a few microseconds, a sleep or a yield longer.
+  const auto give_up = w.submit_end + opt_.inline_wait;
+  for (uint32_t k = 0;; ++k) {
+    Status st = (*s)->poll(*ticket);
+    if (st.code() != StatusCode::kInProgress) {
+      if (!st.ok()) st = Status(st.code(), "GPU staging copy failed: " + st.message());
+      const auto seen = Clock::now();
+      done(st);
+      if (tracing_) trace(w, seen, Clock::now());
+      return true;
+    }
+    if ((k & 63) == 63 && Clock::now() >= give_up) break;
+    for (int r = 0; r < 16; ++r) cpu_relax();
+  }
+  // Still running (a busy GPU): the watcher takes it from here.
+  w.tickets.emplace_back(*s, *ticket);
+  w.done = std::move(done);
+  {
+    std::lock_guard lock(mu_);
+    waiting_.push_back(std::move(w));
+  }
+  watch_cv_.notify_one();
+  return true;
+}
+
 void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done) {
+  if (copy_inline(copies, done)) return;
   {
     std::lock_guard lock(mu_);
     submits_.push_back(Submit{std::move(copies), std::move(done), Clock::now()});

@@ -4,6 +4,14 @@
 // run while the next one is received. No I/O thread ever waits for a copy:
 // completion threads do, then hand the frame (or the acknowledgement) back to
 // the data path -- which sends it from that thread (sendmsg, non-blocking).
+// Small copies (tcp.gpu_inline_bytes) skip all of that: the thread that has
+// the frame submits the copy on a stream of their own and spins until it is
+// done, then carries on with the frame itself. Each hand-off between threads
+// costs a wake-up, and a 4 KiB GPU write across processes paid four of them
+// (submit, watcher, callback, on both sides): ~90-100 us per staging copy of
+// a copy that takes a few, on an H200 machine (docs/gpu.md). A copy still
+// running after tcp.gpu_inline_wait_us is handed to the watcher, so a busy GPU
+// cannot hold an I/O thread.
 // One watcher thread polls the copies (in submission order, the order they
 // finish on a stream) and hands finished ones to several callback threads, so
 // that frames of different streams are sent in parallel, as the I/O threads
@@ -43,11 +51,18 @@ struct DeviceCopy {
   CopyBlock block;
 };
 
+struct GpuPathOptions {
+  size_t staging_bytes = 64 << 20;             // pinned staging, cut into kGpuFramePayload slots
+  uint32_t sm_budget = 4;                      // SMs the copy kernel may use
+  uint64_t inline_bytes = 256 << 10;           // copies this small run on the caller's thread
+  std::chrono::microseconds inline_wait{500};  // then their completion is handed on
+};
+
 class GpuPath {
  public:
   // NotSupported (with the reason) without CUDA or a device.
   // Threads are named `thread_prefix`-gpu-... (at most 15 characters kept).
-  static Result<std::unique_ptr<GpuPath>> create(size_t staging_bytes, uint32_t sm_budget,
+  static Result<std::unique_ptr<GpuPath>> create(const GpuPathOptions& options,
                                                  const std::string& thread_prefix);
   ~GpuPath();
 
@@ -61,15 +76,25 @@ class GpuPath {
   // Queues the copies and calls `done` from a completion thread once all of
   // them finished (or with the first error). Returns at once: the submit
   // thread enqueues them on the device's stream, in call order, so the I/O
-  // threads never make CUDA calls (a submission takes ~10-40 us of them).
-  // The copies' memory must stay valid until `done`.
+  // threads never make CUDA calls for large copies (a submission takes
+  // ~10-40 us of them). Copies of at most `inline_bytes` in total, all on one
+  // device, are submitted here and waited for, and `done` runs on this
+  // thread before copy_then returns (unless the wait outlasts `inline_wait`):
+  // callers hold no lock that `done` takes. The copies' memory must stay
+  // valid until `done`.
   void copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done);
   // Runs `job` on the job thread, in submission order.
   void run(std::function<void()> job);
 
  private:
-  GpuPath(std::unique_ptr<StagingPool> pool, uint32_t sm_budget, const std::string& thread_prefix);
-  Result<CopyStream*> stream(int device);
+  GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& options,
+          const std::string& thread_prefix);
+  // The device's stream for queued copies, or (`for_inline`) the one for
+  // copies waited for by their caller, so that those never queue behind a
+  // large copy.
+  Result<CopyStream*> stream(int device, bool for_inline = false);
+  // The inline path of copy_then; false if the copies are not for it.
+  bool copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done);
   // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
   // `out`; false once `stop` is set and the queue is drained.
   template <typename T>
@@ -105,9 +130,9 @@ class GpuPath {
   std::vector<std::array<float, 4>> trace_;
 
   std::unique_ptr<StagingPool> pool_;
-  uint32_t sm_budget_;
+  GpuPathOptions opt_;
   std::mutex streams_mu_;
-  std::map<int, std::unique_ptr<CopyStream>> streams_;
+  std::map<std::pair<int, bool>, std::unique_ptr<CopyStream>> streams_;  // (device, inline) →
 
   // One lock, a condition variable per kind of thread (a shared one, with
   // notify_all, woke all six threads for every frame).

@@ -42,6 +42,14 @@ const OptionSpec kTcpOptionSpecs[] = {
      2 << 20, 16ull << 30},
     {"tcp.gpu_sm_budget", OptionType::kUint, "4",
      "SMs the staging copy kernel may use for small pieces (0: copy engine only)", 0, 1024},
+    {"tcp.gpu_inline_bytes", OptionType::kBytes, "256KiB",
+     "staging copies of at most this many bytes run on the thread that has the frame, which "
+     "waits for them (no hand-off to the GPU path's threads; 0: never)",
+     0, 1 << 20},
+    {"tcp.gpu_inline_wait_us", OptionType::kUint, "500",
+     "longest an inline staging copy is waited for before its completion is handed to the "
+     "GPU path's threads (a busy GPU must not hold an I/O thread)",
+     1, 1000000},
     {"tcp.trace", OptionType::kBool, "false",
      "stage trace of every transfer this engine initiates (posted, staging copies, frames "
      "sent, the target's stages, response, completed; docs/trace.md); off costs one branch"},
@@ -307,6 +315,8 @@ Status TcpTransport::start(const TransportContext& context) {
   opt_.rcvbuf = static_cast<int>(o.get_uint("tcp.rcvbuf"));
   opt_.gpu_staging_bytes = o.get_uint("tcp.gpu_staging_bytes");
   opt_.gpu_sm_budget = static_cast<uint32_t>(o.get_uint("tcp.gpu_sm_budget"));
+  opt_.gpu_inline_bytes = o.get_uint("tcp.gpu_inline_bytes");
+  opt_.gpu_inline_wait = std::chrono::microseconds(o.get_uint("tcp.gpu_inline_wait_us"));
   opt_.trace = o.get_bool("tcp.trace");
   opt_.trace_keep = o.get_uint("tcp.trace_keep");
   if (opt_.trace) trace_log_ = trace_log_for(ctx_.engine_id, opt_.trace_keep);
@@ -376,7 +386,9 @@ Result<GpuPath*> TcpTransport::gpu() {
   std::lock_guard lock(gpu_mu_);
   if (gpu_) return gpu_.get();
   if (!gpu_error_.ok()) return gpu_error_;
-  auto created = GpuPath::create(opt_.gpu_staging_bytes, opt_.gpu_sm_budget, thread_prefix_);
+  auto created = GpuPath::create(
+      {opt_.gpu_staging_bytes, opt_.gpu_sm_budget, opt_.gpu_inline_bytes, opt_.gpu_inline_wait},
+      thread_prefix_);
   if (!created.ok()) {
     gpu_error_ = created.status();
     return gpu_error_;
