@@ -6,9 +6,12 @@
 //   ferry-cuda-ipc-bench [--iters N]
 //
 // The target is ferry_cuda_ipc_peer (tests/gpu), started twice: once for the
-// cuda_ipc engine, once for the tcp-only one. Both processes use GPU 0 (the
-// only one on a one-GPU machine); on two GPUs pass CUDA_VISIBLE_DEVICES to
-// pick. Every workload's bytes are checked once by the target.
+// cuda_ipc engine, once for the tcp-only one. This process uses GPU 0, the
+// target GPU $FERRY_TEST_PEER_DEVICE (default 0); with the target on another
+// GPU the ceiling is a peer copy GPU 0 -> that GPU (peer access enabled).
+// --no-tcp leaves tcp out (for runs comparing cuda_ipc options, set as
+// FERRY_CUDA_IPC_* variables). Every workload's bytes are checked once by the
+// target.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -142,33 +145,47 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   int iters = 2000;
   bool latency_only = false;
+  bool with_tcp = true;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--latency-only") == 0) latency_only = true;
+    if (std::strcmp(argv[i], "--no-tcp") == 0) with_tcp = false;
+  }
+  const int peer_device = gputest::peer_device();
+  uint8_t *local = nullptr, *scratch = nullptr;
+  // The ceiling's destination is on the target's GPU.
+  if (cudaSetDevice(peer_device) != cudaSuccess ||
+      cudaMalloc(reinterpret_cast<void**>(&scratch), kLocal) != cudaSuccess) {
+    std::printf("no CUDA device %d\n", peer_device);
+    return 1;
   }
   if (cudaSetDevice(0) != cudaSuccess) {
     std::printf("no CUDA device\n");
     return 1;
   }
-  uint8_t *local = nullptr, *scratch = nullptr;
+  if (peer_device != 0 && cudaDeviceEnablePeerAccess(peer_device, 0) != cudaSuccess) {
+    std::printf("note: no peer access GPU 0 -> GPU %d; the ceiling goes through the host\n",
+                peer_device);
+  }
   cudaMalloc(reinterpret_cast<void**>(&local), kLocal);
-  cudaMalloc(reinterpret_cast<void**>(&scratch), kLocal);
+  std::printf("this process on GPU 0, target on GPU %d\n", peer_device);
   Side ipc, tcp;
-  if (!setup(ipc, "auto", local) || !setup(tcp, "tcp", local)) return 1;
+  if (!setup(ipc, "auto", local) || (with_tcp && !setup(tcp, "tcp", local))) return 1;
   std::printf("carriers: auto engine -> %s, forced engine -> %s\n", ipc.carrier.c_str(),
-              tcp.carrier.c_str());
+              with_tcp ? tcp.carrier.c_str() : "(not run)");
   std::printf("bytes verified: %s / %s\n", verify(ipc, local, 64u << 20) ? "ok" : "MISMATCH",
-              verify(tcp, local, 64u << 20) ? "ok" : "MISMATCH");
+              !with_tcp                       ? "-"
+              : verify(tcp, local, 64u << 20) ? "ok"
+                                              : "MISMATCH");
 
   // The ceiling: one contiguous copy of the same bytes, device to device.
   auto contiguous = [&](uint64_t bytes, int reps) {
     cudaStream_t st;
     cudaStreamCreate(&st);
-    cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDeviceToDevice, st);
+    cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDefault, st);
     cudaStreamSynchronize(st);
     const auto t0 = Clock::now();
-    for (int i = 0; i < reps; ++i)
-      cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDeviceToDevice, st);
+    for (int i = 0; i < reps; ++i) cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDefault, st);
     cudaStreamSynchronize(st);
     const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
     cudaStreamDestroy(st);
@@ -183,7 +200,7 @@ int main(int argc, char** argv) {
     std::vector<double> us;
     for (int i = 0; i < iters + 50; ++i) {
       const auto t0 = Clock::now();
-      cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDeviceToDevice, st);
+      cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDefault, st);
       cudaStreamSynchronize(st);
       if (i >= 50)
         us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
@@ -195,9 +212,9 @@ int main(int argc, char** argv) {
               "tcp p50", "cuda_ipc p99", "raw copy p50", "tcp/ipc");
   for (uint64_t b : {uint64_t{4096}, uint64_t{65536}, uint64_t{1} << 20}) {
     auto a = latency(ipc, local, b, iters);
-    auto t = latency(tcp, local, b, iters / 4);
+    auto t = with_tcp ? latency(tcp, local, b, iters / 4) : std::pair<double, double>{0, 0};
     std::printf("%-34s %14.1f %14.1f %14.1f %14.1f %8.1fx\n", (std::to_string(b) + " B").c_str(),
-                a.first, t.first, a.second, raw_latency(b), t.first / a.first);
+                a.first, t.first, a.second, raw_latency(b), with_tcp ? t.first / a.first : 0.0);
   }
   if (latency_only) return 0;
   std::printf("\n%-34s %10s %10s %10s %9s %9s %10s\n", "throughput (GB/s), 4 in flight", "cuda_ipc",
@@ -218,9 +235,9 @@ int main(int argc, char** argv) {
     const double c = contiguous(w.block * w.n, 20);
     double post_us = 0;
     const double a = throughput(ipc, local, w.block, w.n, w.depth, 40, w.scattered, &post_us);
-    const double t = throughput(tcp, local, w.block, w.n, w.depth, 4, w.scattered);
-    std::printf("%-34s %10.1f %10.2f %10.1f %8.2fx %8.1fx %10.1f\n", w.name, a, t, c, a / c, a / t,
-                post_us);
+    const double t = with_tcp ? throughput(tcp, local, w.block, w.n, w.depth, 4, w.scattered) : 0.0;
+    std::printf("%-34s %10.1f %10.2f %10.1f %8.2fx %8.1fx %10.1f\n", w.name, a, t, c, a / c,
+                with_tcp ? a / t : 0.0, post_us);
   }
   return 0;
 }

@@ -55,6 +55,13 @@ const OptionSpec kCudaIpcOptionSpecs[] = {
     {"cuda_ipc.kernel_max_block", OptionType::kBytes, "256KiB",
      "blocks smaller than this go through the copy kernel, larger ones to the copy engine", 0,
      1ull << 30},
+    {"cuda_ipc.peer_kernel_max_block", OptionType::kBytes, "256KiB",
+     "the same for copies between two GPUs (over NVLink or PCIe peer access): there the copy "
+     "engine pays more per block",
+     0, 1ull << 30},
+    {"cuda_ipc.batch_api", OptionType::kBool, "true",
+     "copy-engine blocks of a call go to one cudaMemcpyBatchAsync (false: one cudaMemcpyAsync "
+     "each)"},
 };
 const size_t kCudaIpcOptionSpecCount = std::size(kCudaIpcOptionSpecs);
 
@@ -144,6 +151,8 @@ Status CudaIpcTransport::read_options() {
   opt_.send_timeout = std::chrono::milliseconds(o.get_uint("cuda_ipc.send_timeout_ms"));
   opt_.sm_budget = static_cast<uint32_t>(o.get_uint("cuda_ipc.sm_budget"));
   opt_.kernel_max_block = o.get_uint("cuda_ipc.kernel_max_block");
+  opt_.peer_kernel_max_block = o.get_uint("cuda_ipc.peer_kernel_max_block");
+  opt_.batch_api = o.get_bool("cuda_ipc.batch_api");
   opt_.waiter_polls = o.get_bool("cuda_ipc.waiter_polls");
   opt_.after_default_stream = o.get_bool("cuda_ipc.after_default_stream");
   opt_.engine_max_blocks = static_cast<uint32_t>(o.get_uint("cuda_ipc.engine_max_blocks"));
@@ -772,21 +781,23 @@ void CudaIpcTransport::release_grants(Connection& c,
   for (const auto& g : grants) --g->in_flight;
 }
 
-Result<CudaIpcTransport::StreamSlot*> CudaIpcTransport::slot_for(int device, bool engine_only) {
+Result<CudaIpcTransport::StreamSlot*> CudaIpcTransport::slot_for(int device, bool engine_only,
+                                                                 bool peer) {
   std::lock_guard lock(slots_mu_);
   for (auto& s : slots_) {
-    if (s->device == device && s->engine_only == engine_only) return s.get();
+    if (s->device == device && s->engine_only == engine_only && s->peer == peer) return s.get();
   }
   CopyOptions o;
   o.sm_budget = engine_only ? 0 : opt_.sm_budget;
-  o.kernel_max_block = opt_.kernel_max_block;
-  o.use_batch_api = !engine_only;
+  o.kernel_max_block = peer ? opt_.peer_kernel_max_block : opt_.kernel_max_block;
+  o.use_batch_api = !engine_only && opt_.batch_api;
   o.after_default_stream = opt_.after_default_stream;
   auto stream = CopyStream::create(device, o);
   if (!stream.ok()) return stream.status();
   auto slot = std::make_unique<StreamSlot>();
   slot->device = device;
   slot->engine_only = engine_only;
+  slot->peer = peer;
   slot->stream = std::move(*stream);
   slots_.push_back(std::move(slot));
   return slots_.back().get();
@@ -890,16 +901,22 @@ Status CudaIpcTransport::post_granted(const std::shared_ptr<Connection>& conn,
           return st;
         }
       }
+      // Local GPU memory to another GPU's: peer access is enabled (above), so
+      // the mapping's address is valid in this GPU's kernels too.
+      const bool peer = !local_host && device != g->mapping->device();
       Group* group = last_group;
       if (group == nullptr || group->slot->device != device ||
-          group->slot->engine_only != engine_only) {
+          group->slot->engine_only != engine_only || group->slot->peer != peer) {
         group = nullptr;
         for (Group& x : groups) {
-          if (x.slot->device == device && x.slot->engine_only == engine_only) group = &x;
+          if (x.slot->device == device && x.slot->engine_only == engine_only &&
+              x.slot->peer == peer) {
+            group = &x;
+          }
         }
       }
       if (group == nullptr) {
-        auto slot = slot_for(device, engine_only);
+        auto slot = slot_for(device, engine_only, peer);
         if (!slot.ok()) {
           release_grants(**c, used);
           return slot.status();
@@ -907,8 +924,11 @@ Status CudaIpcTransport::post_granted(const std::shared_ptr<Connection>& conn,
         groups.push_back({*slot, {}, true});
         group = &groups.back();
       }
-      group->device_only =
-          group->device_only && s.local_device == device && g->mapping->device() == device;
+      // Device memory on both sides, the peer's with peer access enabled: the
+      // copy stream need not ask the driver, and its kernel may take the
+      // blocks (asked, it would send peer memory to the copy engine, which
+      // pays several microseconds per block).
+      group->device_only = group->device_only && s.local_device == device;
       last_group = group;
       const CopyBlock b = write ? CopyBlock{remote, local, piece} : CopyBlock{local, remote, piece};
       local += piece;
@@ -1329,10 +1349,12 @@ Status CudaIpcTransport::serve_copy(const std::shared_ptr<Connection>& c, CopyRe
       const bool engine_only = host_pageable || q.segments.size() <= opt_.engine_max_blocks;
       Group* group = nullptr;
       for (Group& x : groups) {
-        if (x.slot->device == device && x.slot->engine_only == engine_only) group = &x;
+        if (x.slot->device == device && x.slot->engine_only == engine_only && !x.slot->peer) {
+          group = &x;
+        }
       }
       if (group == nullptr) {
-        auto slot = slot_for(device, engine_only);
+        auto slot = slot_for(device, engine_only, false);
         if (!slot.ok()) {
           verdict = slot.status();
           break;

@@ -67,6 +67,8 @@ struct CudaIpcOptions {
   std::chrono::milliseconds send_timeout{10000};
   uint32_t sm_budget = 8;
   uint64_t kernel_max_block = 256 << 10;
+  uint64_t peer_kernel_max_block = 256 << 10;
+  bool batch_api = true;
   std::chrono::microseconds poll_linger{50};
   uint32_t engine_max_blocks = 1;
   bool waiter_polls = true;
@@ -204,6 +206,7 @@ class CudaIpcTransport final : public Transport {
   struct StreamSlot {
     int device = 0;
     bool engine_only = false;
+    bool peer = false;  // local GPU to another GPU's memory (peer_kernel_max_block)
     std::unique_ptr<CopyStream> stream;
     std::mutex mu;  // submit + push in ticket order
     std::deque<InFlight> fifo;
@@ -255,7 +258,7 @@ class CudaIpcTransport final : public Transport {
   Result<std::shared_ptr<ImportedGrant>> request_grant(const std::shared_ptr<Connection>& c,
                                                        const GrantKey& key);
   void release_grants(Connection& c, const std::vector<std::shared_ptr<ImportedGrant>>& grants);
-  Result<StreamSlot*> slot_for(int device, bool engine_only);
+  Result<StreamSlot*> slot_for(int device, bool engine_only, bool peer);
 
   // --- completion thread (and waiters, through progress()) ---
   void completion_loop();
