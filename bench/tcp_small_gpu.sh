@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Small GPU transfers over tcp (docs/gpu.md), before/after in one run on a GPU
+# machine: the same binary with the inline staging copies off
+# (FERRY_TCP_GPU_INLINE_BYTES=0, the GPU path as it was) and on (the default),
+# alternating. The target is a second process, on GPU 1 where there are two.
+#   1. the stage trace of blocking and 8-in-flight transfers, 4/64/256 KiB,
+#      every memory pair: p50 per stage, host memory beside GPU memory;
+#   2. throughput with 8 in flight, 4/64/256 KiB (GPU / host ratio);
+#   3. large transfers (16 x 1 MiB, 16 MiB): not slower.
+# Output: $OUT/tcp_small_{trace,tput}_{off,on}*.txt and a summary on stdout.
+#   BUILD=build-dev bench/tcp_small_gpu.sh
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+O=${OUT:-/tmp/out}
+B=${BUILD:-build-dev}
+BIN=$B/tests/gpu/ferry-tcp-gpu-bench
+mkdir -p "$O"
+dev=0
+[ "$(nvidia-smi -L | wc -l)" -ge 2 ] && dev=1
+export FERRY_TEST_PEER_DEVICE=$dev
+mode() { [ "$1" = off ] && echo "FERRY_TCP_GPU_INLINE_BYTES=0" || echo "FERRY_TCP_GPU_INLINE_BYTES=256KiB"; }
+echo "target process on GPU $dev; off = inline staging copies off (as before), on = default"
+for m in off on; do
+  # shellcheck disable=SC2046
+  env $(mode $m) timeout 150 "$BIN" --trace --two-process --json --iters ${TRACE_ITERS:-300} \
+    > "$O/tcp_small_trace_$m.txt" 2>&1 || echo "trace $m rc=$?"
+done
+echo "blocking and 8 in flight, p50 us (posted -> completed):"
+for m in off on; do
+  grep '^{' "$O/tcp_small_trace_$m.txt" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(f"  {sys.argv[1]:3} {r[\"op\"]:5} {r[\"local\"]:>4}->{r[\"remote\"]:<4} {r[\"block_size\"]:>7} B depth {r[\"depth\"]}: "
+          f"p50 {r[\"total_us\"][\"p50\"]:7.1f}  p90 {r[\"total_us\"][\"p90\"]:7.1f}")' "$m"
+done
+for rep in 1 2; do
+  for m in off on; do
+    for s in 4096 65536 262144; do
+      echo "=== $m rep $rep: --block $s --batch 1 --depth 8" >> "$O/tcp_small_tput_$m.txt"
+      # shellcheck disable=SC2046
+      env $(mode $m) timeout 60 "$BIN" --two-process --block $s --batch 1 --depth 8 --iters 2000 --reps 1 \
+        >> "$O/tcp_small_tput_$m.txt" 2>&1
+    done
+    for args in "--block 1048576 --batch 16" "--block 16777216 --batch 1"; do
+      echo "=== $m rep $rep: $args" >> "$O/tcp_small_tput_$m.txt"
+      # shellcheck disable=SC2046,SC2086
+      env $(mode $m) timeout 60 "$BIN" --two-process $args --reps 1 >> "$O/tcp_small_tput_$m.txt" 2>&1
+    done
+  done
+done
+for m in off on; do echo "--- throughput, inline $m"; grep -E "^===|^(write|read)" "$O/tcp_small_tput_$m.txt"; done
