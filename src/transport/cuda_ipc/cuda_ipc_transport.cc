@@ -650,7 +650,7 @@ Status CudaIpcTransport::on_revoke_ack(Connection& c, ByteView body) {
 // ----------------------------------------------------------- initiator ---
 
 Result<std::shared_ptr<ImportedGrant>> CudaIpcTransport::request_grant(
-    const std::shared_ptr<Connection>& c, const GrantKey& key) {
+    const std::shared_ptr<Connection>& c, const GrantKey& key, int access_device) {
   GrantRequest q;
   q.id = next_request_id_.fetch_add(1);
   std::tie(q.region_id, q.adv_offset, q.adv_length, q.key, q.access) = key;
@@ -698,7 +698,7 @@ Result<std::shared_ptr<ImportedGrant>> CudaIpcTransport::request_grant(
   if (mapping && mapping->length() == g.span_length) {
     for (int d : answer.fds) ::close(d);
   } else {
-    auto m = Mapping::import(g, std::move(answer.fds), c->pid == ::getpid());
+    auto m = Mapping::import(g, std::move(answer.fds), c->pid == ::getpid(), access_device);
     if (!m.ok()) {
       return Status(m.status().code(), fmt::format("mapping region {} of peer {}: {}", q.region_id,
                                                    hex_id(c->peer), m.status().message()));
@@ -728,6 +728,7 @@ Status CudaIpcTransport::acquire_grants(const std::shared_ptr<Connection>& c,
   per_segment->assign(segments.size(), nullptr);
   for (int round = 0; round < 2; ++round) {
     std::vector<GrantKey> missing;
+    std::vector<int> access_device;  // per missing grant: the GPU of its first local block
     {
       std::lock_guard lock(c->mu);
       ImportedGrant* last = nullptr;
@@ -740,7 +741,13 @@ Status CudaIpcTransport::acquire_grants(const std::shared_ptr<Connection>& c,
         }
         auto it = c->grants.find(k);
         if (it == c->grants.end()) {
-          if (std::find(missing.begin(), missing.end(), k) == missing.end()) missing.push_back(k);
+          if (std::find(missing.begin(), missing.end(), k) == missing.end()) {
+            missing.push_back(k);
+            // Local host memory: the process's own GPU, so that its later
+            // GPU-memory copies to the same buffer can use the mapping too.
+            const int local = segments[i].local_device;
+            access_device.push_back(local >= 0 ? local : current_device());
+          }
           continue;
         }
         last = it->second.get();
@@ -755,12 +762,13 @@ Status CudaIpcTransport::acquire_grants(const std::shared_ptr<Connection>& c,
     if (missing.empty()) return Status::Ok();
     if (round == 1) break;
     std::lock_guard grant_lock(c->grant_mu);
-    for (const GrantKey& k : missing) {
+    for (size_t m = 0; m < missing.size(); ++m) {
+      const GrantKey& k = missing[m];
       {
         std::lock_guard lock(c->mu);
         if (c->grants.count(k) != 0) continue;  // another thread got it meanwhile
       }
-      auto g = request_grant(c, k);
+      auto g = request_grant(c, k, access_device[m]);
       if (!g.ok()) {
         release_grants(*c, *used);
         used->clear();
@@ -882,7 +890,7 @@ Status CudaIpcTransport::post_granted(const std::shared_ptr<Connection>& conn,
       bool local_host = false;
       if (device < 0) {
         local_host = true;
-        device = g->mapping->device();
+        device = g->mapping->host_copy_device();
         const auto a = reinterpret_cast<uint64_t>(local);
         if (a < host_lo || a >= host_hi) {
           auto info = cuda_pointer_info(local);
@@ -895,6 +903,15 @@ Status CudaIpcTransport::post_granted(const std::shared_ptr<Connection>& conn,
         // Pageable memory: the copy engine, which takes any host memory; the
         // copy kernel needs pinned, mapped memory.
         engine_only = engine_only || host_pageable;
+      } else if (!g->mapping->usable_from(device)) {
+        // A legacy IPC handle is open in one GPU's context only, the first
+        // that used it; CUDA opens a handle once per process.
+        release_grants(**c, used);
+        return err::NotSupported(fmt::format(
+            "cuda_ipc: peer {}'s region {} was mapped for copies from GPU {}; this call copies "
+            "from GPU {} (legacy IPC memory is mapped for one GPU of a process; VMM memory, "
+            "e.g. PyTorch's expandable segments, for all)",
+            hex_id((*c)->peer), std::get<0>(g->key), g->mapping->host_copy_device(), device));
       } else if (device != g->mapping->device()) {
         if (Status st = ensure_peer_access(device, g->mapping->device()); !st.ok()) {
           release_grants(**c, used);
