@@ -255,8 +255,10 @@ class CudaIpcTransport final : public Transport {
   Status acquire_grants(const std::shared_ptr<Connection>& c, const std::vector<Segment>& segments,
                         std::vector<ImportedGrant*>* per_segment,
                         std::vector<std::shared_ptr<ImportedGrant>>* used);
+  // `access_device`: the local GPU that copies to or from the grant's memory
+  // (-1: local host memory), see Mapping::import.
   Result<std::shared_ptr<ImportedGrant>> request_grant(const std::shared_ptr<Connection>& c,
-                                                       const GrantKey& key);
+                                                       const GrantKey& key, int access_device);
   void release_grants(Connection& c, const std::vector<std::shared_ptr<ImportedGrant>>& grants);
   Result<StreamSlot*> slot_for(int device, bool engine_only, bool peer);
 

@@ -252,7 +252,7 @@ Result<ExportedMemory> export_memory(const void* address, uint64_t length) {
 }
 
 Result<std::shared_ptr<Mapping>> Mapping::import(const Grant& g, std::vector<int> fds,
-                                                 bool same_process) {
+                                                 bool same_process, int access_device) {
   struct CloseFds {
     std::vector<int>& fds;
     ~CloseFds() {
@@ -269,6 +269,7 @@ Result<std::shared_ptr<Mapping>> Mapping::import(const Grant& g, std::vector<int
   }
   std::shared_ptr<Mapping> m(new Mapping());
   m->device_ = device;
+  m->access_device_ = access_device >= 0 ? access_device : device;
   m->kind_ = g.kind;
   m->length_ = g.span_length;
   if (same_process) {
@@ -276,7 +277,7 @@ Result<std::shared_ptr<Mapping>> Mapping::import(const Grant& g, std::vector<int
     m->base_ = reinterpret_cast<uint8_t*>(g.span_base);
     return m;
   }
-  cuda::DeviceGuard guard(device);
+  cuda::DeviceGuard guard(g.kind == HandleKind::kLegacy ? m->access_device_ : device);
   if (guard.status() != cudaSuccess) return cuda_status(guard.status(), "cudaSetDevice");
 
   if (g.kind == HandleKind::kLegacy) {
@@ -343,7 +344,7 @@ Result<std::shared_ptr<Mapping>> Mapping::import(const Grant& g, std::vector<int
 
 Mapping::~Mapping() {
   if (!owned_ || base_ == nullptr) return;
-  cuda::DeviceGuard guard(device_);
+  cuda::DeviceGuard guard(kind_ == HandleKind::kLegacy ? access_device_ : device_);
   if (kind_ == HandleKind::kLegacy) {
     if (cudaIpcCloseMemHandle(base_) != cudaSuccess) cudaGetLastError();
     return;
@@ -353,6 +354,15 @@ Mapping::~Mapping() {
   for (const auto& [offset, length] : vmm_ranges_) d.unmap(va + offset, length);
   for (auto h : vmm_) d.release(h);
   d.address_free(va, length_);
+}
+
+int current_device() {
+  int d = 0;
+  if (cudaGetDevice(&d) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return d;
 }
 
 Status sync_default_stream(int device) {
