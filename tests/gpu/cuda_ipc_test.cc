@@ -128,7 +128,8 @@ class CudaIpc : public ::testing::Test {
       l[i] = {local(local_kind) + i * stride, block};
       r[i] = {&remote, i * block, block};
     }
-    ASSERT_TRUE(engine_->write(peer_, l, r).ok());
+    Status s = engine_->write(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
     std::vector<uint8_t> expect(block * batch);
     for (size_t i = 0; i < batch; ++i) {
       std::copy_n(image.begin() + static_cast<long>(i * stride), block,
@@ -139,7 +140,7 @@ class CudaIpc : public ::testing::Test {
     // Read back into a poisoned local buffer.
     std::vector<uint8_t> poison(stride * batch + 1, 0xA5);
     put_local(local_kind, poison);
-    Status s = engine_->read(peer_, l, r);
+    s = engine_->read(peer_, l, r);
     ASSERT_TRUE(s.ok()) << s.to_string();
     std::vector<uint8_t> back = get_local(local_kind, stride * batch + 1);
     for (size_t i = 0; i < batch; ++i) {
@@ -186,19 +187,25 @@ TEST_F(CudaIpc, ChosenForLocalGpuWithPeerHostMemory) {
 }
 
 TEST_F(CudaIpc, LocalGpuWithPeerPageableHostMemory) {
-  RemoteDescriptor d = alloc("h", "host", 8u << 20);
+  RemoteDescriptor d = alloc("h", "host", 48u << 20);
   write_read("gpu", "h", d, 4096, 1, 101);
   write_read("gpu", "h", d, 4096, 64, 102);
   write_read("gpu", "h", d, 4096, 1000, 103);
   write_read("gpu", "h", d, 4096, 64, 104, 0);
+  // More than kMaxCopySegments: several COPY_REQs, the first of 295 KB.
+  write_read("gpu", "h", d, 4096, 4097, 105);
+  write_read("gpu", "h", d, 4096, 10000, 106);
 }
 
 TEST_F(CudaIpc, LocalGpuWithPeerPinnedHostMemory) {
-  RemoteDescriptor d = alloc("p", "pinned", 8u << 20);
+  RemoteDescriptor d = alloc("p", "pinned", 48u << 20);
   write_read("gpu", "p", d, 4096, 1, 111);
   write_read("gpu", "p", d, 4096, 64, 112);
   write_read("gpu", "p", d, 4096, 1000, 113);
   write_read("gpu", "p", d, 4096, 64, 114, 0);
+  // More than kMaxCopySegments: several COPY_REQs, the first of 295 KB.
+  write_read("gpu", "p", d, 4096, 4097, 115);
+  write_read("gpu", "p", d, 4096, 10000, 116);
 }
 
 TEST_F(CudaIpc, LocalGpuSubAllocationWithPeerHostMemory) {
@@ -309,15 +316,17 @@ TEST_F(CudaIpc, PeerHostMemoryWrongKeyAndOutOfRangeAreRefusedByTheTarget) {
 TEST_F(CudaIpc, NotificationArrivesAfterTheDataInPeerHostMemory) {
   for (const std::string kind : {"host", "pinned"}) {
     SCOPED_TRACE(kind);
-    RemoteDescriptor d = alloc("n" + kind, kind, 32u << 20);
-    std::vector<uint8_t> image(32u << 20);
+    RemoteDescriptor d = alloc("n" + kind, kind, 64u << 20);
+    std::vector<uint8_t> image(64u << 20);
     gputest::fill(image.data(), image.size(), kind == "host" ? 141 : 142);
     put_local("gpu", image);
-    // One request (notification carried by COPY_REQ) and 5000 blocks (several
-    // requests, the notification follows the last answer).
-    for (size_t batch : {size_t{1}, size_t{5000}}) {
+    // One request (notification carried by COPY_REQ), kMaxCopySegments (one
+    // full request of 295 KB, more than a Unix socket's buffer), and more
+    // (several requests, the notification follows the last answer).
+    for (size_t batch : {size_t{1}, size_t{4096}, size_t{4097}, size_t{5000}, size_t{10000}}) {
       SCOPED_TRACE(batch);
       const uint64_t block = image.size() / batch / 4096 * 4096;
+      ASSERT_GE(block, 4096u);
       std::vector<LocalIov> l(batch);
       std::vector<RemoteIov> r(batch);
       for (size_t i = 0; i < batch; ++i) {
@@ -331,7 +340,9 @@ TEST_F(CudaIpc, NotificationArrivesAfterTheDataInPeerHostMemory) {
       EXPECT_EQ(target_.ask("notif 10000"), "notif " + tag);
       EXPECT_EQ(remote_sum("n" + kind, 0, block * batch),
                 gputest::fnv(image.data(), block * batch));
-      EXPECT_TRUE(engine_->wait(*id, std::chrono::seconds(10)).ok());
+      Status s = engine_->wait(*id, std::chrono::seconds(10));
+      // The first failure breaks the connection: what follows would only echo it.
+      ASSERT_TRUE(s.ok()) << s.to_string();
     }
   }
 }
@@ -496,7 +507,8 @@ TEST_F(CudaIpc, NotificationArrivesAfterTheData) {
   EXPECT_EQ(target_.ask("notif 10000"), "notif " + tag);
   // By the time the target saw the notification, every byte was there.
   EXPECT_EQ(remote_sum("m", 0, image.size()), gputest::fnv(image.data(), image.size()));
-  EXPECT_TRUE(engine_->wait(*id, std::chrono::seconds(10)).ok());
+  Status s = engine_->wait(*id, std::chrono::seconds(10));
+  EXPECT_TRUE(s.ok()) << s.to_string();
 }
 
 TEST_F(CudaIpc, DeregistrationWaitsForCopiesInFlightThenRefuses) {

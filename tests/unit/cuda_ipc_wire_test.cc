@@ -2,14 +2,23 @@
 // with peer host memory): PUSH_EXPORT, COPY_REQ, COPY_RESP round trips, and
 // every truncation, bad count and bad field refused with ProtocolError. Bodies
 // are decoded from GuardedBuffers, so a read past the span crashes the test.
+// Also: the largest COPY_REQs pass the receiver's header check, and cross a
+// control socket prepared as the transport prepares it whole, though they are
+// larger than the socket's buffer.
 #include "transport/cuda_ipc/cuda_ipc_wire.h"
 
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "guarded_buffer.h"
+#include "transport/common/unix_socket.h"
 
 namespace ferry::cuda_ipc {
 namespace {
@@ -259,6 +268,147 @@ TEST(CudaIpcWire, NewOpsHaveNamesAndLimits) {
   frame[6] = static_cast<uint8_t>(Op::kCopyResponse) + 1;
   EXPECT_EQ(decode_header(ByteView(frame.data(), kFrameHeaderBytes)).status().code(),
             StatusCode::kProtocolError);
+}
+
+// The largest requests the initiator builds (kMaxCopySegments segments; with
+// a notification of kMaxNotificationBytes when the batch is one request) pass
+// the header check the receiver applies before it buffers the body; one
+// segment more is refused by the decoder.
+TEST(CudaIpcWire, LargestCopyRequestsPassTheReceiversChecks) {
+  CopyRequest q = SampleRequest(kMaxCopySegments, true);
+  q.notification.assign(kMaxNotificationBytes, 0x6b);
+  for (bool notify : {false, true}) {
+    if (!notify) {
+      q.has_notification = false;
+      q.notification.clear();
+    } else {
+      q.has_notification = true;
+      q.notification.assign(kMaxNotificationBytes, 0x6b);
+    }
+    const Bytes frame = encode_copy_request(q);
+    auto h = decode_header(ByteView(frame.data(), kFrameHeaderBytes));
+    ASSERT_TRUE(h.ok()) << h.status().message();
+    EXPECT_EQ(h->body_bytes, frame.size() - kFrameHeaderBytes);
+    auto back = decode_copy_request(ByteView(frame.data() + kFrameHeaderBytes, h->body_bytes));
+    ASSERT_TRUE(back.ok()) << back.status().message();
+    EXPECT_EQ(back->segments.size(), kMaxCopySegments);
+    EXPECT_EQ(back->notification.size(), q.notification.size());
+  }
+  CopyRequest over = SampleRequest(kMaxCopySegments + 1, false);
+  const Bytes frame = encode_copy_request(over);
+  auto h = decode_header(ByteView(frame.data(), kFrameHeaderBytes));
+  ASSERT_TRUE(h.ok()) << h.status().message();
+  auto back = decode_copy_request(ByteView(frame.data() + kFrameHeaderBytes, h->body_bytes));
+  EXPECT_EQ(back.status().code(), StatusCode::kProtocolError);
+}
+
+// Reads frames as the transport's I/O thread does (unix_socket::receive with
+// MSG_DONTWAIT into a growing buffer, decode_header before the body) until
+// `want` frames came or 10 s passed.
+std::vector<std::pair<Op, Bytes>> ReceiveFrames(int fd, size_t want) {
+  std::vector<std::pair<Op, Bytes>> frames;
+  Bytes rx;
+  size_t len = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (frames.size() < want && std::chrono::steady_clock::now() < deadline) {
+    rx.resize(len + (64 << 10));
+    std::vector<int> fds;
+    auto r = unix_socket::receive(fd, std::span<uint8_t>(rx.data() + len, 64 << 10), &fds);
+    if (!r.ok() || *r == 0) break;
+    if (*r < 0) {
+      pollfd p{fd, POLLIN, 0};
+      ::poll(&p, 1, 100);
+      continue;
+    }
+    len += static_cast<size_t>(*r);
+    size_t at = 0;
+    while (len - at >= kFrameHeaderBytes) {
+      auto h = decode_header(ByteView(rx.data() + at, kFrameHeaderBytes));
+      if (!h.ok()) {
+        ADD_FAILURE() << h.status().message();
+        return frames;
+      }
+      if (len - at - kFrameHeaderBytes < h->body_bytes) break;
+      frames.emplace_back(
+          h->op, Bytes(rx.begin() + static_cast<long>(at + kFrameHeaderBytes),
+                       rx.begin() + static_cast<long>(at + kFrameHeaderBytes + h->body_bytes)));
+      at += kFrameHeaderBytes + h->body_bytes;
+    }
+    std::memmove(rx.data(), rx.data() + at, len - at);
+    len -= at;
+  }
+  return frames;
+}
+
+// A batch of 5000 blocks is two COPY_REQs, the first of 4096 segments
+// (295 KB), larger than a Unix socket's send buffer (208 KiB by default). On
+// the O_NONBLOCK socket the transport used to send on, sendmsg wrote part of
+// it and then failed with EAGAIN: the target waited for the rest of a frame
+// that never came whole, and the write never completed. Prepared as the
+// transport prepares its sockets, every frame crosses whole, in order.
+TEST(CudaIpcWire, FramesLargerThanTheSocketBufferCrossWhole) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv), 0);
+  // The default buffer (Linux doubles what is asked: 208 KiB), whatever this
+  // host's net.core.wmem_default says.
+  int sndbuf = 104 << 10;
+  ASSERT_EQ(::setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf), 0);
+  socklen_t n = sizeof sndbuf;
+  ASSERT_EQ(::getsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &sndbuf, &n), 0);
+  const Bytes first = encode_copy_request(SampleRequest(kMaxCopySegments, false));
+  ASSERT_GT(first.size(), static_cast<size_t>(sndbuf)) << "the test needs a frame over the buffer";
+
+  // The cause: an O_NONBLOCK socket nobody drains at that moment refuses the
+  // rest of the frame at once (the send timeout does not apply).
+  unix_socket::set_send_timeout(sv[0], std::chrono::milliseconds(2000));
+  Status s = unix_socket::send_all(sv[0], first);
+  EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
+  ::close(sv[0]);
+  ::close(sv[1]);
+
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv), 0);
+  sndbuf = 104 << 10;
+  ASSERT_EQ(::setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf), 0);
+  for (int fd : sv) {
+    ASSERT_TRUE(prepare_control_socket(fd).ok());
+    unix_socket::set_send_timeout(fd, std::chrono::milliseconds(5000));
+  }
+  CopyRequest with_notification = SampleRequest(kMaxCopySegments, true);
+  with_notification.notification.assign(kMaxNotificationBytes, 0x6b);
+  const Bytes second = encode_copy_request(with_notification);
+  const Bytes third = encode_copy_request(SampleRequest(5000 - kMaxCopySegments, false));
+  const Bytes notify = encode_notify(ByteView(with_notification.notification));
+  std::vector<std::pair<Op, Bytes>> got;
+  // The reader starts late: the sender must wait for it, not give up.
+  std::thread reader([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    got = ReceiveFrames(sv[1], 4);
+  });
+  for (const Bytes* f : {&first, &second, &third, &notify}) {
+    Status sent = unix_socket::send_all(sv[0], *f);
+    EXPECT_TRUE(sent.ok()) << sent.to_string();
+  }
+  reader.join();
+  ::close(sv[0]);
+  ::close(sv[1]);
+  ASSERT_EQ(got.size(), 4u);
+  const Bytes* sent[] = {&first, &second, &third, &notify};
+  for (size_t i = 0; i < 4; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(got[i].second.size() + kFrameHeaderBytes, sent[i]->size());
+    EXPECT_TRUE(std::equal(got[i].second.begin(), got[i].second.end(),
+                           sent[i]->begin() + kFrameHeaderBytes));
+  }
+  auto q = decode_copy_request(ByteView(got[0].second));
+  ASSERT_TRUE(q.ok()) << q.status().message();
+  EXPECT_EQ(q->segments.size(), kMaxCopySegments);
+  q = decode_copy_request(ByteView(got[1].second));
+  ASSERT_TRUE(q.ok()) << q.status().message();
+  EXPECT_EQ(q->notification.size(), kMaxNotificationBytes);
+  q = decode_copy_request(ByteView(got[2].second));
+  ASSERT_TRUE(q.ok()) << q.status().message();
+  EXPECT_EQ(q->segments.size(), 5000 - kMaxCopySegments);
+  EXPECT_EQ(got[3].first, Op::kNotify);
 }
 
 }  // namespace

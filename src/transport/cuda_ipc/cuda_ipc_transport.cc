@@ -87,6 +87,11 @@ GrantKey key_of(const RemoteAccessRequest& r) {
   return {r.region_id, r.adv_offset, r.adv_length, r.key, r.access};
 }
 
+// The op of a whole frame, for messages (header: u32 magic | u16 version | u8 op).
+const char* frame_op_name(const Bytes& frame) {
+  return frame.size() < kFrameHeaderBytes ? "a frame" : op_name(static_cast<Op>(frame[6]));
+}
+
 // Reads one whole frame from a blocking socket (handshake only).
 Result<std::pair<FrameHeader, Bytes>> read_frame_blocking(int fd, Clock::time_point deadline) {
   Bytes buf(kFrameHeaderBytes);
@@ -338,7 +343,12 @@ Status CudaIpcTransport::establish(const std::shared_ptr<Connection>& c) {
 }
 
 void CudaIpcTransport::watch(const std::shared_ptr<Connection>& c) {
-  ::fcntl(c->fd, F_SETFL, ::fcntl(c->fd, F_GETFL) | O_NONBLOCK);
+  // Blocking sends bounded by SO_SNDTIMEO, reads with MSG_DONTWAIT: an
+  // O_NONBLOCK socket cut frames larger than its buffer (a 4096-segment
+  // COPY_REQ) in half with EAGAIN.
+  if (Status s = prepare_control_socket(c->fd); !s.ok()) {
+    spdlog::warn("cuda_ipc: {}: {}", describe(*c), s.message());
+  }
   {
     std::lock_guard lock(io_mu_);
     watched_[c.get()] = c;
@@ -1145,21 +1155,26 @@ Status CudaIpcTransport::build_copy_requests(Connection& c, const std::vector<Se
         return o.span_base < le.span_base + le.span_length &&
                le.span_base < o.span_base + o.span_length;
       });
+      Status sent;
       {
         std::lock_guard lock(c.send_mu);
         const std::vector<int>& fds = e->fds;
-        for (size_t at = 0; at < fds.size(); at += kMaxFdsPerFrame) {
+        for (size_t at = 0; at < fds.size() && sent.ok(); at += kMaxFdsPerFrame) {
           const size_t n = std::min<size_t>(kMaxFdsPerFrame, fds.size() - at);
-          if (Status st = unix_socket::send_all(c.fd, encode_fds(static_cast<uint32_t>(n)),
-                                                std::span<const int>(fds.data() + at, n));
-              !st.ok()) {
-            return Status(st.code(), fmt::format("{}: {}", describe(c), st.message()));
-          }
+          sent = unix_socket::send_all(c.fd, encode_fds(static_cast<uint32_t>(n)),
+                                       std::span<const int>(fds.data() + at, n));
         }
-        if (Status st = unix_socket::send_all(c.fd, encode_push_export({le.id, e->grant}));
-            !st.ok()) {
-          return Status(st.code(), fmt::format("{}: {}", describe(c), st.message()));
+        if (sent.ok()) {
+          sent = unix_socket::send_all(c.fd, encode_push_export({le.id, e->grant}));
         }
+      }
+      if (!sent.ok()) {
+        sent = Status(sent.code(), fmt::format("{}: sending PUSH_EXPORT {}: {}", describe(c), le.id,
+                                               sent.message()));
+        // Part of a frame may be on the wire (see send_frame): the connection
+        // cannot go on.
+        fail_connection(c, sent);
+        return sent;
       }
       c.local_exports.push_back(le);
       last = &c.local_exports.back();
@@ -1634,10 +1649,17 @@ Status CudaIpcTransport::send_frame(Connection& c, const Bytes& frame, std::span
   if (c.dead.load()) {
     return err::PeerDisconnected(fmt::format("{} is closed", describe(c)));
   }
-  std::lock_guard lock(c.send_mu);
-  Status s = unix_socket::send_all(c.fd, frame, fds);
+  Status s;
+  {
+    std::lock_guard lock(c.send_mu);
+    s = unix_socket::send_all(c.fd, frame, fds);
+  }
   if (!s.ok()) {
-    return Status(s.code(), fmt::format("{}: {}", describe(c), s.message()));
+    s = Status(s.code(), fmt::format("{}: sending {} of {} bytes: {}", describe(c),
+                                     frame_op_name(frame), frame.size(), s.message()));
+    // Part of the frame may be on the wire: the peer would read the next
+    // frame as the rest of this one. The connection cannot go on.
+    fail_connection(c, s);
   }
   return s;
 }

@@ -1,5 +1,9 @@
 #include "transport/cuda_ipc/cuda_ipc_wire.h"
 
+#include <fcntl.h>
+
+#include <cerrno>
+
 #include "core/byte_codec.h"
 #include "fmt/format.h"
 #include "transport/common/unix_socket.h"
@@ -433,6 +437,15 @@ Result<CopyResponse> decode_copy_response(ByteView body) {
     return s;
   }
   return a;
+}
+
+Status prepare_control_socket(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return err::Internal(
+        fmt::format("cuda_ipc: fcntl on the control socket: {}", unix_socket::errno_text(errno)));
+  }
+  return Status::Ok();
 }
 
 Bytes encode_address(const Address& a) {

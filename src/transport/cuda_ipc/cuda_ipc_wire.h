@@ -207,6 +207,16 @@ Result<PushExport> decode_push_export(ByteView body);
 Result<CopyRequest> decode_copy_request(ByteView body);
 Result<CopyResponse> decode_copy_response(ByteView body);
 
+// Readies a connected control socket for the I/O thread: blocking for
+// sends, so that SO_SNDTIMEO (unix_socket::set_send_timeout) bounds a send
+// and a frame larger than the socket's buffer goes out whole. A COPY_REQ of
+// kMaxCopySegments is 295 KB (with a notification up to 1.3 MB), a GRANT or
+// PUSH_EXPORT of many VMM pieces more, the default Unix socket buffer 208 KiB:
+// on an O_NONBLOCK socket sendmsg wrote part of such a frame, then failed with
+// EAGAIN, and the next frame went out behind the half-sent one. Reads are
+// unaffected: unix_socket::receive passes MSG_DONTWAIT.
+Status prepare_control_socket(int fd);
+
 // The transport's address in engine metadata:
 //   u8 format (1) | u8 0 | u16 path length | u32 pid | u16 GPU count | u16 0 |
 //   GPU count × u8[16] uuid | path bytes
