@@ -883,6 +883,7 @@ Status CudaIpcTransport::post_granted(const std::shared_ptr<Connection>& conn,
   Group* last_group = nullptr;  // reassigned after every push_back below
   uint64_t host_lo = 0, host_hi = 0;
   bool host_pageable = false;
+  int peer_from = -1, peer_to = -1;  // the last GPU pair with peer access ensured
   for (size_t i = 0; i < segments.size(); ++i) {
     const Segment& s = segments[i];
     ImportedGrant* g = grant_of[i];
@@ -922,7 +923,11 @@ Status CudaIpcTransport::post_granted(const std::shared_ptr<Connection>& conn,
             "from GPU {} (legacy IPC memory is mapped for one GPU of a process; VMM memory, "
             "e.g. PyTorch's expandable segments, for all)",
             hex_id((*c)->peer), std::get<0>(g->key), g->mapping->host_copy_device(), device));
-      } else if (device != g->mapping->device()) {
+      } else if (device != g->mapping->device() &&
+                 (device != peer_from || g->mapping->device() != peer_to)) {
+        // Asked once per pair and call: it takes a process-wide lock.
+        peer_from = device;
+        peer_to = g->mapping->device();
         if (Status st = ensure_peer_access(device, g->mapping->device()); !st.ok()) {
           release_grants(**c, used);
           return st;
