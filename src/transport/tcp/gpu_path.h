@@ -4,7 +4,7 @@
 // run while the next one is received. No I/O thread ever waits for a copy:
 // completion threads do, then hand the frame (or the acknowledgement) back to
 // the data path -- which sends it from that thread (sendmsg, non-blocking).
-// Small copies (tcp.gpu_inline_bytes) skip all of that: the thread that has
+// Small copies (tcp.gpu_inline_bytes, 64 KiB) skip all of that: the thread that has
 // the frame submits the copy on a stream of their own and spins until it is
 // done, then carries on with the frame itself. Each hand-off between threads
 // costs a wake-up, and a 4 KiB GPU write across processes paid four of them
@@ -54,7 +54,7 @@ struct DeviceCopy {
 struct GpuPathOptions {
   size_t staging_bytes = 64 << 20;             // pinned staging, cut into kGpuFramePayload slots
   uint32_t sm_budget = 4;                      // SMs the copy kernel may use
-  uint64_t inline_bytes = 256 << 10;           // copies this small run on the caller's thread
+  uint64_t inline_bytes = 64 << 10;            // copies this small run on the caller's thread
   std::chrono::microseconds inline_wait{500};  // then their completion is handed on
 };
 

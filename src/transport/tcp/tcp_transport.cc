@@ -42,9 +42,10 @@ const OptionSpec kTcpOptionSpecs[] = {
      2 << 20, 16ull << 30},
     {"tcp.gpu_sm_budget", OptionType::kUint, "4",
      "SMs the staging copy kernel may use for small pieces (0: copy engine only)", 0, 1024},
-    {"tcp.gpu_inline_bytes", OptionType::kBytes, "256KiB",
+    {"tcp.gpu_inline_bytes", OptionType::kBytes, "64KiB",
      "staging copies of at most this many bytes run on the thread that has the frame, which "
-     "waits for them (no hand-off to the GPU path's threads; 0: never)",
+     "waits for them (no hand-off to the GPU path's threads; 0: never). Larger ones overlap "
+     "better on the GPU path's threads when several are in flight (docs/gpu.md)",
      0, 1 << 20},
     {"tcp.gpu_inline_wait_us", OptionType::kUint, "500",
      "longest an inline staging copy is waited for before its completion is handed to the "

@@ -47,7 +47,7 @@ struct TcpOptions {
   int rcvbuf = 0;
   uint64_t gpu_staging_bytes = 64 << 20;
   uint32_t gpu_sm_budget = 4;
-  uint64_t gpu_inline_bytes = 256 << 10;
+  uint64_t gpu_inline_bytes = 64 << 10;
   std::chrono::microseconds gpu_inline_wait{500};
   bool trace = false;  // tcp.trace: stage trace of every transfer this engine initiates
   uint64_t trace_keep = 4096;
