@@ -15,24 +15,28 @@ O=${OUT:-/tmp/out}
 B=${BUILD:-build-dev}
 BIN=$B/tests/gpu/ferry-tcp-gpu-bench
 mkdir -p "$O"
+export LD_LIBRARY_PATH=$PWD/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 dev=0
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && dev=1
 export FERRY_TEST_PEER_DEVICE=$dev
-mode() { [ "$1" = off ] && echo "FERRY_TCP_GPU_INLINE_BYTES=0" || echo "FERRY_TCP_GPU_INLINE_BYTES=256KiB"; }
+# off: the GPU path as before inline copies; on: the default threshold.
+mode() { [ "$1" = off ] && echo "FERRY_TCP_GPU_INLINE_BYTES=0" || echo "FERRY_TCP_GPU_INLINE_BYTES=${INLINE_BYTES:-64KiB}"; }
 echo "target process on GPU $dev; off = inline staging copies off (as before), on = default"
 for m in off on; do
   # shellcheck disable=SC2046
   env $(mode $m) timeout 150 "$BIN" --trace --two-process --json --iters ${TRACE_ITERS:-300} \
     > "$O/tcp_small_trace_$m.txt" 2>&1 || echo "trace $m rc=$?"
 done
-echo "blocking and 8 in flight, p50 us (posted -> completed):"
-for m in off on; do
-  grep '^{' "$O/tcp_small_trace_$m.txt" | python3 -c '
-import json, sys
+SUMMARY='
+import json, os, sys
 for line in sys.stdin:
     r = json.loads(line)
-    print(f"  {sys.argv[1]:3} {r[\"op\"]:5} {r[\"local\"]:>4}->{r[\"remote\"]:<4} {r[\"block_size\"]:>7} B depth {r[\"depth\"]}: "
-          f"p50 {r[\"total_us\"][\"p50\"]:7.1f}  p90 {r[\"total_us\"][\"p90\"]:7.1f}")' "$m"
+    t = r["total_us"]
+    print("  %-3s %-5s %4s->%-4s %7d B depth %d: p50 %7.1f  p90 %7.1f"
+          % (os.environ["M"], r["op"], r["local"], r["remote"], r["block_size"], r["depth"], t["p50"], t["p90"]))'
+echo "blocking and 8 in flight, p50 us (posted -> completed):"
+for m in off on; do
+  grep '^{' "$O/tcp_small_trace_$m.txt" | M=$m python3 -c "$SUMMARY"
 done
 for rep in 1 2; do
   for m in off on; do

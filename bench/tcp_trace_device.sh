@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The stage trace on a GPU machine (docs/trace.md), in one go: builds only what
-# it needs (with the Debian packages carried in .devcarry/root, as
-# .devcarry/build.sh does), runs the trace tests -- unit, two-process host
+# it needs (bench/device/build.sh, with the Debian packages carried in
+# .devcarry/root), runs the trace tests -- unit, two-process host
 # memory, and the GPU variant -- then prints the breakdown of the issue's
 # small-transfer workloads (GPU->GPU, host->GPU, GPU->host, host->host; write
 # and read; 4, 64, 256 KiB; blocking and 8 in flight; target in a second
@@ -12,25 +12,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-R=$PWD/.devcarry/root
-if [ -d "$R" ]; then
-  for pc in $R/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc $R/usr/share/pkgconfig/*.pc; do
-    [ -f "$pc" ] && sed -i "s|^prefix=.*|prefix=$R/usr|" "$pc"
-  done
-  export PKG_CONFIG_PATH=$R/usr/lib/x86_64-linux-gnu/pkgconfig:$R/usr/share/pkgconfig
-  export CMAKE_PREFIX_PATH=$R/usr
-  export LD_LIBRARY_PATH=$R/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-fi
-B=${BUILD:-build-dev}
-GEN=""
-command -v ninja >/dev/null && GEN="-G Ninja"
-if [ ! -f $B/CMakeCache.txt ]; then
-  cmake -S . -B $B $GEN -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DFERRY_BUILD_PYTHON=OFF > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
-fi
-cmake --build $B -j "$(nproc)" --target stage_trace_test trace_order_test ferry_test_peer \
-  ferry_tcp_gpu_memory_test ferry_tcp_gpu_peer ferry-tcp-gpu-bench > "$OUT/build.log" 2>&1 ||
-  { grep -E "error|FAILED" -A5 "$OUT/build.log" | head -60; exit 1; }
+export BUILD=${BUILD:-build-dev}
+B=$BUILD
+# The Debian packages carried in .devcarry/root (bench/device/prepare.sh), only what the trace needs.
+TARGETS="stage_trace_test trace_order_test ferry_test_peer ferry_tcp_gpu_memory_test ferry_tcp_gpu_peer ferry-tcp-gpu-bench" \
+  bench/device/build.sh > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A5 "$OUT/build.log" | head -60; exit 1; }
+export LD_LIBRARY_PATH=$PWD/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/trace_tests.log"
 rc=0
 {

@@ -10,6 +10,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 O=${OUT:-/tmp/out}
 B=${BUILD:-build-dev}
 mkdir -p "$O"
+export LD_LIBRARY_PATH=$PWD/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 dev=0
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && dev=1
 VARIANTS=${VARIANTS:-"defaults
