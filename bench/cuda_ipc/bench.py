@@ -1116,9 +1116,14 @@ def describe_transports(t):
     """'engine runs [...]; GPU memory: cuda_ipc; host memory: shm' from Engine/Peer.transports()."""
     carried = {}
     for x in t["peer"] or []:
-        for what in ("GPU memory", "host memory"):
-            if what in (x.get("carries") or "") or (x.get("carries") == "host and GPU memory"):
-                carried.setdefault(what, x["transport"])
+        # Route names, comma-separated ("peer GPU memory, local GPU with peer host memory"):
+        # "host memory" is the host-to-host route only.
+        routes = [r.strip() for r in (x.get("carries") or "").split(",")]
+        both = x.get("carries") == "host and GPU memory"
+        if both or any("GPU" in r for r in routes):
+            carried.setdefault("GPU memory", x["transport"])
+        if both or "host memory" in routes:
+            carried.setdefault("host memory", x["transport"])
     why = "; ".join(f"{x['transport']}: {x['reason']}" for x in t["peer"] or [] if x.get("reason"))
     return (f"engine runs {t['engine']}; to the peer, GPU memory over {carried.get('GPU memory', 'none reported')}, "
             f"host memory over {carried.get('host memory', 'none reported')}" + (f" ({why})" if why else ""))
