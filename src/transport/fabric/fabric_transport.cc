@@ -954,10 +954,10 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
   // Nobody will poll the CQ for a transfer this large (core's wait() sleeps
   // at once): a progress thread napping behind a waiter's lease takes the CQ
   // back now.
+  // (The lease is cleared whatever the thread is doing: one about to
+  // decide to nap would otherwise still see it.)
   const bool unpolled = t->bytes > kPolledMaxBytes;
-  if (unpolled && sleeping_.load() == Sleep::kWaiterPolls) {
-    waiter_polled_ns_.store(0, std::memory_order_relaxed);
-  }
+  if (unpolled) waiter_polled_ns_.store(0, std::memory_order_relaxed);
   wake(unpolled);
   return Status::Ok();
 }
