@@ -234,6 +234,10 @@ TEST(CudaIpcWire, CopyRequestBadFieldsRefused) {
   b = good;
   b.push_back(0);
   EXPECT_TRUE(refused(b)) << "a trailing byte";
+  // The second segment's padding after its access byte (24-byte head, 72-byte segments).
+  b = good;
+  b[24 + kCopySegmentBytes + 72 - 1] = 1;
+  EXPECT_TRUE(refused(b)) << "a segment's reserved bytes set";
 }
 
 TEST(CudaIpcWire, CopyResponseRoundTrip) {

@@ -102,4 +102,34 @@ Result<FrameHeader> decode_header(const FrameFormat& format, ByteView bytes) {
   return h;
 }
 
+void put_remote_range(ByteWriter& w, const RemoteAccessRequest& q) {
+  w.u64(q.region_id);
+  w.u64(q.adv_offset);
+  w.u64(q.adv_length);
+  w.u64(q.key);
+  w.u64(q.offset);
+  w.u64(q.length);
+}
+
+void take_remote_range(ByteReader& r, RemoteAccessRequest* q) {
+  q->region_id = r.u64();
+  q->adv_offset = r.u64();
+  q->adv_length = r.u64();
+  q->key = r.u64();
+  q->offset = r.u64();
+  q->length = r.u64();
+}
+
+void put_access_tail(ByteWriter& w, uint8_t access) {
+  w.u8(access);
+  for (int i = 0; i < 7; ++i) w.u8(0);
+}
+
+bool take_access_tail(ByteReader& r, uint8_t* access) {
+  *access = r.u8();
+  uint8_t reserved = 0;
+  for (int k = 0; k < 7; ++k) reserved |= r.u8();
+  return reserved == 0;
+}
+
 }  // namespace ferry::wire_codec

@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "core/byte_codec.h"
+#include "core/region_registry.h"
 #include "ferry/status.h"
 #include "ferry/types.h"
 
@@ -51,6 +52,20 @@ Status take_status(const Codec& codec, ByteReader& r, uint16_t code, uint32_t le
 // The body must end exactly where `r` stands: "truncated <what>", or "<what>
 // has N unexpected trailing bytes".
 Status expect_end(const Codec& codec, const ByteReader& r, std::string_view what);
+
+// ------------------------------------------------------ remote segments ---
+
+// The target-checked part of one segment, as shm's requests and cuda_ipc's
+// COPY_REQ carry it (48 bytes), each transport's own fields following it:
+//   u64 region id | u64 advertised offset | u64 advertised length | u64 key |
+//   u64 offset | u64 length
+constexpr size_t kRemoteRangeBytes = 48;
+void put_remote_range(ByteWriter& w, const RemoteAccessRequest& q);
+void take_remote_range(ByteReader& r, RemoteAccessRequest* q);
+// The segment's end: u8 access | u8[7] 0. False if a reserved byte is set.
+constexpr size_t kAccessTailBytes = 8;
+void put_access_tail(ByteWriter& w, uint8_t access);
+[[nodiscard]] bool take_access_tail(ByteReader& r, uint8_t* access);
 
 // ---------------------------------------------------------- frame header ---
 

@@ -332,16 +332,10 @@ Bytes encode_copy_request(const CopyRequest& q) {
   w.u32(static_cast<uint32_t>(q.notification.size()));
   w.u32(0);
   for (const CopySegment& s : q.segments) {
-    w.u64(s.remote.region_id);
-    w.u64(s.remote.adv_offset);
-    w.u64(s.remote.adv_length);
-    w.u64(s.remote.key);
-    w.u64(s.remote.offset);
-    w.u64(s.remote.length);
+    wire_codec::put_remote_range(w, s.remote);
     w.u64(s.export_id);
     w.u64(s.export_offset);
-    w.u8(s.remote.access);
-    for (int i = 0; i < 7; ++i) w.u8(0);
+    wire_codec::put_access_tail(w, s.remote.access);
   }
   w.bytes(q.notification.data(), q.notification.size());
   return frame(Op::kCopyRequest, body);
@@ -406,17 +400,15 @@ Result<CopyRequest> decode_copy_request(ByteView body) {
         notification, r.remaining()));
   }
   q.segments.resize(count);
-  for (CopySegment& s : q.segments) {
-    s.remote.region_id = r.u64();
-    s.remote.adv_offset = r.u64();
-    s.remote.adv_length = r.u64();
-    s.remote.key = r.u64();
-    s.remote.offset = r.u64();
-    s.remote.length = r.u64();
+  for (uint32_t i = 0; i < count; ++i) {
+    CopySegment& s = q.segments[i];
+    wire_codec::take_remote_range(r, &s.remote);
     s.export_id = r.u64();
     s.export_offset = r.u64();
-    s.remote.access = r.u8();
-    r.bytes(7);
+    if (!wire_codec::take_access_tail(r, &s.remote.access)) {
+      return err::ProtocolError(
+          fmt::format("cuda_ipc: COPY_REQ segment {}: reserved bytes set", i));
+    }
   }
   auto n = r.bytes(notification);
   q.notification.assign(n.begin(), n.end());

@@ -71,7 +71,8 @@ constexpr uint32_t kMaxMessageBytes = 4096;
 constexpr uint32_t kMaxRevokeIds = 1 << 16;
 constexpr uint32_t kMaxFdsPerFrame = 250;
 constexpr uint32_t kMaxHandshakeBody = 8192;
-constexpr size_t kCopySegmentBytes = 72;
+constexpr size_t kCopySegmentBytes =  // 72
+    wire_codec::kRemoteRangeBytes + 16 + wire_codec::kAccessTailBytes;
 constexpr size_t kCopyRequestHeadBytes = 24;
 // A larger batch goes out as several COPY_REQs (bounds the target's parse).
 constexpr uint32_t kMaxCopySegments = 4096;

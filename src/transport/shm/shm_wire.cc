@@ -113,15 +113,9 @@ Bytes encode_request(Op op, uint64_t id, std::span<const WireSegment> segments,
   w.u32(static_cast<uint32_t>(segments.size()));
   w.u32(static_cast<uint32_t>(notification.size()));
   for (const WireSegment& s : segments) {
-    w.u64(s.remote.region_id);
-    w.u64(s.remote.adv_offset);
-    w.u64(s.remote.adv_length);
-    w.u64(s.remote.key);
-    w.u64(s.remote.offset);
-    w.u64(s.remote.length);
+    wire_codec::put_remote_range(w, s.remote);
     w.u64(s.address);
-    w.u8(s.remote.access);
-    for (int i = 0; i < 7; ++i) w.u8(0);
+    wire_codec::put_access_tail(w, s.remote.access);
   }
   w.bytes(notification.data(), notification.size());
   uint8_t flags = op == Op::kWriteReq && has_notification ? kFlagNotification : 0;
@@ -166,17 +160,9 @@ Result<Request> decode_request(const FrameHeader& header, ByteView body) {
   uint64_t total = 0;
   for (uint32_t i = 0; i < count; ++i) {
     WireSegment& s = req.segments[i];
-    s.remote.region_id = r.u64();
-    s.remote.adv_offset = r.u64();
-    s.remote.adv_length = r.u64();
-    s.remote.key = r.u64();
-    s.remote.offset = r.u64();
-    s.remote.length = r.u64();
+    wire_codec::take_remote_range(r, &s.remote);
     s.address = r.u64();
-    s.remote.access = r.u8();
-    uint8_t reserved = 0;
-    for (int k = 0; k < 7; ++k) reserved |= r.u8();
-    if (reserved != 0) {
+    if (!wire_codec::take_access_tail(r, &s.remote.access)) {
       return err::ProtocolError(
           fmt::format("{} {} segment {}: reserved bytes set", name, req.id, i));
     }

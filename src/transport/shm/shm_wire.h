@@ -56,7 +56,8 @@ static_assert(std::endian::native == std::endian::little,
 constexpr uint32_t kFrameMagic = 0x4D485346;  // "FSHM"
 constexpr uint16_t kWireVersion = 2;          // 2: staging mode
 constexpr size_t kFrameHeaderBytes = wire_codec::kFrameHeaderBytes;
-constexpr size_t kSegmentBytes = 64;
+constexpr size_t kSegmentBytes =  // 64
+    wire_codec::kRemoteRangeBytes + 8 + wire_codec::kAccessTailBytes;
 constexpr size_t kRequestFixedBytes = 16;
 constexpr size_t kResponseFixedBytes = 16;
 constexpr size_t kHelloBytes = 40;
