@@ -36,34 +36,19 @@ for r in $(seq 1 "$ROUNDS"); do
   bench "$AFTER" "${common[@]}" >"$OUT/after.$r.json"
   echo "round $r of $ROUNDS done"
 done
-python3 - "$OUT" "$ROUNDS" <<'PY'
-import json, re, statistics, sys
+python3 - "$OUT" "$ROUNDS" "$ROOT/bench/fabric" <<'PY'
+import sys
 out, rounds = sys.argv[1], int(sys.argv[2])
-def raw(name):
-    d = {}
-    for line in open(name):
-        m = re.match(r"size (\d+) GB/s ([\d.]+)", line)
-        if m: d[int(m.group(1))] = float(m.group(2))
-    return d
-def ferry(name):
-    d = {}
-    for line in open(name):
-        line = line.strip()
-        if line.startswith("{"):
-            j = json.loads(line)
-            d[j["block_size"]] = j["gbps"]
-    return d
-runs = {"raw": [raw(f"{out}/raw.{r}.txt") for r in range(1, rounds + 1)],
-        "before": [ferry(f"{out}/before.{r}.json") for r in range(1, rounds + 1)],
-        "after": [ferry(f"{out}/after.{r}.json") for r in range(1, rounds + 1)]}
+sys.path.insert(0, sys.argv[3])
+from rounds import SIZES, cell, ferry, load, raw, ratio
+runs = load(out, rounds, {"raw": (raw, "raw.{r}.txt"), "before": (ferry, "before.{r}.json"),
+                          "after": (ferry, "after.{r}.json")})
 print(f"medians of {rounds} alternating rounds (each round's value in brackets), GB/s")
 print("| block | raw fi_write (delivery) | Ferry before | Ferry after | before/raw | after/raw | after/before |")
 print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-for size, label in [(4096, "4 KiB"), (65536, "64 KiB"), (1 << 20, "1 MiB"), (16 << 20, "16 MiB")]:
-    m = {k: statistics.median(run.get(size, 0.0) for run in v) for k, v in runs.items()}
-    e = {k: "/".join(f"{run.get(size, 0.0):.2f}" for run in v) for k, v in runs.items()}
-    print(f"| {label} | {m['raw']:.2f} [{e['raw']}] | {m['before']:.2f} [{e['before']}] | "
-          f"{m['after']:.2f} [{e['after']}] | {m['before']/max(m['raw'],1e-9):.2f} | "
-          f"{m['after']/max(m['raw'],1e-9):.2f} | {m['after']/max(m['before'],1e-9):.2f} |")
+for size, label in SIZES:
+    print(f"| {label} | {cell(runs, 'raw', size)} | {cell(runs, 'before', size)} | {cell(runs, 'after', size)} | "
+          f"{ratio(runs, 'before', 'raw', size)} | {ratio(runs, 'after', 'raw', size)} | "
+          f"{ratio(runs, 'after', 'before', size)} |")
 PY
 rm -rf "$OUT"

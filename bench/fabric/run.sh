@@ -26,40 +26,19 @@ for r in $(seq 1 "$ROUNDS"); do
   "$BENCH" "${common[@]}" -o engine.transports=tcp >"$OUT/tcp.$r.json"
   echo "round $r of $ROUNDS done"
 done
-python3 - "$OUT" "$ROUNDS" <<'PY'
-import json, sys, re, statistics
+python3 - "$OUT" "$ROUNDS" "$ROOT/bench/fabric" <<'PY'
+import sys
 out, rounds = sys.argv[1], int(sys.argv[2])
-def raw(name):
-    d = {}
-    for line in open(name):
-        m = re.match(r"size (\d+) GB/s ([\d.]+)", line)
-        if m: d[int(m.group(1))] = float(m.group(2))
-    return d
-def ferry(name):
-    d = {}
-    for line in open(name):
-        line = line.strip()
-        if not line.startswith("{"): continue
-        j = json.loads(line)
-        d[j["block_size"]] = (j["gbps"], j.get("transport"))
-    return d
-runs = {k: [] for k in ("raw", "raw_tx", "fabric", "tcp")}
-for r in range(1, rounds + 1):
-    runs["raw"].append(raw(f"{out}/raw.{r}.txt"))
-    runs["raw_tx"].append(raw(f"{out}/raw_tx.{r}.txt"))
-    runs["fabric"].append({k: v[0] for k, v in ferry(f"{out}/fabric.{r}.json").items()})
-    runs["tcp"].append({k: v[0] for k, v in ferry(f"{out}/tcp.{r}.json").items()})
-def med(kind, size):
-    return statistics.median(run.get(size, 0.0) for run in runs[kind])
-def each(kind, size):
-    return "/".join(f"{run.get(size, 0.0):.2f}" for run in runs[kind])
+sys.path.insert(0, sys.argv[3])
+from rounds import SIZES, cell, ferry, load, raw, ratio
+runs = load(out, rounds, {"raw": (raw, "raw.{r}.txt"), "raw_tx": (raw, "raw_tx.{r}.txt"),
+                          "fabric": (ferry, "fabric.{r}.json"), "tcp": (ferry, "tcp.{r}.json")})
 print(f"medians of {rounds} alternating rounds (each round's value in brackets), GB/s")
 print("| block | raw fi_write (delivery) | raw fi_write (transmit) | Ferry fabric | Ferry tcp | fabric/raw (delivery) | fabric/raw (transmit) | fabric/tcp |")
 print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-for size, label in [(4096, "4 KiB"), (65536, "64 KiB"), (1 << 20, "1 MiB"), (16 << 20, "16 MiB")]:
-    r, rt, f, t = (med(k, size) for k in ("raw", "raw_tx", "fabric", "tcp"))
-    print(f"| {label} | {r:.2f} [{each('raw', size)}] | {rt:.2f} [{each('raw_tx', size)}] | "
-          f"{f:.2f} [{each('fabric', size)}] | {t:.2f} [{each('tcp', size)}] | "
-          f"{f/max(r,1e-9):.2f} | {f/max(rt,1e-9):.2f} | {f/max(t,1e-9):.2f} |")
+for size, label in SIZES:
+    print(f"| {label} | {cell(runs, 'raw', size)} | {cell(runs, 'raw_tx', size)} | "
+          f"{cell(runs, 'fabric', size)} | {cell(runs, 'tcp', size)} | {ratio(runs, 'fabric', 'raw', size)} | "
+          f"{ratio(runs, 'fabric', 'raw_tx', size)} | {ratio(runs, 'fabric', 'tcp', size)} |")
 PY
 rm -rf "$OUT"
