@@ -42,6 +42,10 @@ class StagingPool {
   StagingPool& operator=(const StagingPool&) = delete;
 
   size_t slot_bytes() const { return slot_bytes_; }
+  // Every slot lies in [base(), base() + slot_bytes() * slot_count()): a
+  // transport may register that range with its network once.
+  uint8_t* base() const { return base_; }
+  size_t slot_count() const { return slot_count_; }
 
   using Waiter = std::function<void(std::unique_ptr<StagingSlot>)>;
   // A free slot at once, or null after queuing `later`. Nobody ever waits

@@ -387,9 +387,9 @@ Result<GpuPath*> TcpTransport::gpu() {
   std::lock_guard lock(gpu_mu_);
   if (gpu_) return gpu_.get();
   if (!gpu_error_.ok()) return gpu_error_;
-  auto created = GpuPath::create(
-      {opt_.gpu_staging_bytes, opt_.gpu_sm_budget, opt_.gpu_inline_bytes, opt_.gpu_inline_wait},
-      thread_prefix_);
+  auto created = GpuPath::create({opt_.gpu_staging_bytes, opt_.gpu_sm_budget, opt_.gpu_inline_bytes,
+                                  opt_.gpu_inline_wait, kGpuFramePayload, "tcp"},
+                                 thread_prefix_);
   if (!created.ok()) {
     gpu_error_ = created.status();
     return gpu_error_;

@@ -28,13 +28,19 @@
 #include <vector>
 
 #include "core/stage_trace.h"
-#include "transport/tcp/gpu_path.h"
+#include "transport/common/gpu_staging.h"
 #include "transport/tcp/iov_cursor.h"
 #include "transport/tcp/socket_util.h"
 #include "transport/tcp/wire.h"
 #include "transport/transport.h"
 
 namespace ferry::tcp {
+
+// GPU memory goes through the shared pinned staging path, one frame payload
+// per slot.
+using staging::DeviceCopy;
+using staging::GpuPath;
+using staging::GpuPathOptions;
 
 struct TcpOptions {
   uint32_t streams = 2;

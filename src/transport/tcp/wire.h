@@ -24,6 +24,10 @@ static_assert(std::endian::native == std::endian::little,
 constexpr uint32_t kHelloMagic = 0x59525246;  // "FRRY"
 using ferry::kProtocolVersion;
 constexpr uint16_t kFrameMagic = 0xF7E5;
+// Largest payload of a frame that touches GPU memory on either side: one
+// staging slot (transport/common/gpu_staging.h). Part of the protocol (both
+// sides rely on it).
+constexpr uint64_t kGpuFramePayload = 1 << 20;
 
 struct Hello {
   uint32_t magic;

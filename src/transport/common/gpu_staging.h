@@ -1,16 +1,20 @@
-// How the tcp transport moves GPU memory: through pinned staging slots, with
-// the copies pipelined against the network. Device→host copies of frame k+1
-// run while frame k is on the wire; host→device copies of a received frame
-// run while the next one is received. No I/O thread ever waits for a copy:
-// completion threads do, then hand the frame (or the acknowledgement) back to
-// the data path -- which sends it from that thread (sendmsg, non-blocking).
-// Small copies (tcp.gpu_inline_bytes, 64 KiB) skip all of that: the thread that has
+// GPU memory through pinned staging slots, for transports that move host
+// memory only (tcp always; fabric where the provider does not register GPU
+// memory, FI_HMEM): device → slot → network, network → slot → device, with
+// the copies pipelined against the network. Device→host copies of slot k+1
+// run while slot k is on the wire; host→device copies of a received slot run
+// while the next one is received. No I/O or progress thread ever waits for a
+// copy: completion threads do, then hand the slot (or the acknowledgement)
+// back to the transport -- which sends it from that thread (non-blocking).
+// Moved here from src/transport/tcp/gpu_path.{h,cc}; the slot size is the
+// user's (tcp: its frame payload, part of its protocol).
+// Small copies (GpuPathOptions::inline_bytes, 64 KiB) skip all of that: the thread that has
 // the frame submits the copy on a stream of their own and spins until it is
 // done, then carries on with the frame itself. Each hand-off between threads
 // costs a wake-up, and a 4 KiB GPU write across processes paid four of them
 // (submit, watcher, callback, on both sides): ~90-100 us per staging copy of
 // a copy that takes a few, on an H200 machine (docs/gpu.md). A copy still
-// running after tcp.gpu_inline_wait_us is handed to the watcher, so a busy GPU
+// running after GpuPathOptions::inline_wait is handed to the watcher, so a busy GPU
 // cannot hold an I/O thread.
 // One watcher thread polls the copies (in submission order, the order they
 // finish on a stream) and hands finished ones to several callback threads, so
@@ -32,18 +36,16 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda/staging_pool.h"
 #include "ferry/gpu.h"
 #include "ferry/status.h"
 
-namespace ferry::tcp {
-
-// Largest payload of a frame that touches GPU memory on either side: one
-// staging slot. Part of the protocol (both sides rely on it).
-constexpr uint64_t kGpuFramePayload = 1 << 20;
+namespace ferry::staging {
 
 // One copy between a staging slot and GPU memory, on `device`'s stream.
 struct DeviceCopy {
@@ -52,10 +54,14 @@ struct DeviceCopy {
 };
 
 struct GpuPathOptions {
-  size_t staging_bytes = 64 << 20;             // pinned staging, cut into kGpuFramePayload slots
+  size_t staging_bytes = 64 << 20;             // pinned staging, cut into slot_bytes slots
   uint32_t sm_budget = 4;                      // SMs the copy kernel may use
   uint64_t inline_bytes = 64 << 10;            // copies this small run on the caller's thread
   std::chrono::microseconds inline_wait{500};  // then their completion is handed on
+  uint64_t slot_bytes = 1 << 20;               // one staging slot (tcp: kGpuFramePayload)
+  // The transport using the path ("tcp", "fabric"): named in errors, and the
+  // diagnostic environment knobs are FERRY_<USER>_GPU_... (FERRY_TCP_GPU_TRACE).
+  std::string user = "tcp";
 };
 
 class GpuPath {
@@ -73,6 +79,10 @@ class GpuPath {
   // the frames which free the slots.
   std::unique_ptr<StagingSlot> slot_or_later(
       std::function<void(std::unique_ptr<StagingSlot>)> later);
+  size_t slot_bytes() const { return opt_.slot_bytes; }
+  // The pinned memory every slot lies in, for a transport that registers it
+  // once with its network (fabric under FI_MR_LOCAL).
+  std::pair<uint8_t*, size_t> staging_memory() const;
   // Queues the copies and calls `done` from a completion thread once all of
   // them finished (or with the first error). Returns at once: the submit
   // thread enqueues them on the device's stream, in call order, so the I/O
@@ -121,13 +131,15 @@ class GpuPath {
     Status status;
     Clock::time_point seen;
   };
-  // FERRY_TCP_GPU_TRACE=1: per frame, microseconds queued for the submit
+  // FERRY_<USER>_GPU_TRACE=1 (FERRY_TCP_GPU_TRACE): per frame, microseconds queued for the submit
   // thread, inside submit, until the copy was seen done, inside the callback;
   // summarized on stderr when the path is destroyed (diagnostic).
   void trace(const Waiting& w, Clock::time_point seen, Clock::time_point returned);
   bool tracing_ = false;
   std::mutex trace_mu_;
   std::vector<std::array<float, 4>> trace_;
+
+  const char* env(const char* knob) const;  // FERRY_<USER>_GPU_<knob>, or null
 
   std::unique_ptr<StagingPool> pool_;
   GpuPathOptions opt_;
@@ -151,4 +163,4 @@ class GpuPath {
   std::thread submit_thread_;
 };
 
-}  // namespace ferry::tcp
+}  // namespace ferry::staging

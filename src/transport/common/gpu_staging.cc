@@ -1,6 +1,7 @@
-#include "transport/tcp/gpu_path.h"
+#include "transport/common/gpu_staging.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 
@@ -8,13 +9,13 @@
 #include "core/thread_name.h"
 #include "fmt/format.h"
 
-namespace ferry::tcp {
+namespace ferry::staging {
 namespace {
 
-// Callback threads: FERRY_TCP_GPU_COMPLETION_THREADS (1..16, a diagnostic
-// knob), else 4.
-size_t completion_threads() {
-  if (const char* v = std::getenv("FERRY_TCP_GPU_COMPLETION_THREADS"); v != nullptr && *v != 0) {
+// Callback threads: FERRY_<USER>_GPU_COMPLETION_THREADS (1..16, a
+// diagnostic knob), else 4.
+size_t completion_threads(const char* v) {
+  if (v != nullptr && *v != 0) {
     const long n = std::strtol(v, nullptr, 10);
     if (n >= 1 && n <= 16) return static_cast<size_t>(n);
   }
@@ -26,9 +27,14 @@ size_t completion_threads() {
 Result<std::unique_ptr<GpuPath>> GpuPath::create(const GpuPathOptions& options,
                                                  const std::string& thread_prefix) {
   std::string reason;
-  if (!cuda_available(&reason)) return err::NotSupported("GPU memory over tcp: " + reason);
-  const size_t slots = std::max<size_t>(2, options.staging_bytes / kGpuFramePayload);
-  auto pool = StagingPool::create(kGpuFramePayload, slots);
+  if (!cuda_available(&reason)) {
+    return err::NotSupported("GPU memory over " + options.user + ": " + reason);
+  }
+  if (options.slot_bytes == 0) {
+    return err::InvalidArgument("GPU staging for " + options.user + ": slot size 0");
+  }
+  const size_t slots = std::max<size_t>(2, options.staging_bytes / options.slot_bytes);
+  auto pool = StagingPool::create(options.slot_bytes, slots);
   if (!pool.ok()) return pool.status();
   return std::unique_ptr<GpuPath>(new GpuPath(std::move(pool.value()), options, thread_prefix));
 }
@@ -36,10 +42,8 @@ Result<std::unique_ptr<GpuPath>> GpuPath::create(const GpuPathOptions& options,
 GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& options,
                  const std::string& thread_prefix)
     : pool_(std::move(pool)), opt_(options) {
-  if (const char* v = std::getenv("FERRY_TCP_GPU_TRACE"); v != nullptr && *v == '1') {
-    tracing_ = true;
-  }
-  const size_t n = completion_threads();
+  if (const char* v = env("TRACE"); v != nullptr && *v == '1') tracing_ = true;
+  const size_t n = completion_threads(env("COMPLETION_THREADS"));
   for (size_t i = 0; i < n; ++i) {
     callback_threads_.emplace_back([this, thread_prefix] {
       name_this_thread(thread_prefix + "-gpu-cb");
@@ -87,8 +91,8 @@ GpuPath::~GpuPath() {
   if (tracing_ && !trace_.empty()) {
     const char* names[4] = {"queued for submit", "in submit", "submit end to seen done",
                             "in callback"};
-    std::fprintf(stderr, "ferry tcp gpu trace: %zu frames (us: p50 / p90 / p99 / max)\n",
-                 trace_.size());
+    std::fprintf(stderr, "ferry %s gpu trace: %zu frames (us: p50 / p90 / p99 / max)\n",
+                 opt_.user.c_str(), trace_.size());
     for (size_t k = 0; k < 4; ++k) {
       std::vector<float> v;
       v.reserve(trace_.size());
@@ -112,6 +116,18 @@ void GpuPath::trace(const Waiting& w, Clock::time_point seen, Clock::time_point 
                     us(seen - w.submit_end), us(returned - seen)});
 }
 
+const char* GpuPath::env(const char* knob) const {
+  std::string name = "FERRY_";
+  for (char c : opt_.user) name += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  name += "_GPU_";
+  name += knob;
+  return std::getenv(name.c_str());
+}
+
+std::pair<uint8_t*, size_t> GpuPath::staging_memory() const {
+  return {pool_->base(), pool_->slot_bytes() * pool_->slot_count()};
+}
+
 std::unique_ptr<StagingSlot> GpuPath::slot_or_later(
     std::function<void(std::unique_ptr<StagingSlot>)> later) {
   // The releaser may hold its own locks (a stream's tx_mu, a transfer's
@@ -129,13 +145,13 @@ Result<CopyStream*> GpuPath::stream(int device, bool for_inline) {
   if (!s) {
     CopyOptions options;
     options.sm_budget = opt_.sm_budget;
-    // Diagnostic knobs (measurement only): FERRY_TCP_GPU_KERNEL_MAX_BLOCK
-    // (bytes) and FERRY_TCP_GPU_BATCH_API (0: one cudaMemcpyAsync per
+    // Diagnostic knobs (measurement only): FERRY_<USER>_GPU_KERNEL_MAX_BLOCK
+    // (bytes) and FERRY_<USER>_GPU_BATCH_API (0: one cudaMemcpyAsync per
     // copy-engine piece instead of cudaMemcpyBatchAsync).
-    if (const char* v = std::getenv("FERRY_TCP_GPU_KERNEL_MAX_BLOCK"); v != nullptr && *v != 0) {
+    if (const char* v = env("KERNEL_MAX_BLOCK"); v != nullptr && *v != 0) {
       options.kernel_max_block = std::strtoull(v, nullptr, 10);
     }
-    if (const char* v = std::getenv("FERRY_TCP_GPU_BATCH_API"); v != nullptr && *v != 0) {
+    if (const char* v = env("BATCH_API"); v != nullptr && *v != 0) {
       options.use_batch_api = std::strtol(v, nullptr, 10) != 0;
     }
     auto created = CopyStream::create(device, options);
@@ -332,4 +348,4 @@ void GpuPath::job_loop() {
   }
 }
 
-}  // namespace ferry::tcp
+}  // namespace ferry::staging
