@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core/stage_trace.h"
 #include "ferry/engine.h"
 #include "target_process.h"
 #include "tcp_gpu_common.h"
@@ -42,6 +43,8 @@ struct Side {
   std::string carrier;
 };
 
+bool g_trace = false;  // --trace: the cuda_ipc engine traces its transfers
+
 bool setup(Side& s, const std::string& transports, void* local) {
   std::string error;
   if (!s.target.start(FERRY_CUDA_IPC_PEER, 0, &error)) {
@@ -51,6 +54,10 @@ bool setup(Side& s, const std::string& transports, void* local) {
   std::fprintf(stderr, "setup %s: target up\n", transports.c_str());
   EngineConfig config;
   config.options["engine.transports"] = transports;
+  if (g_trace && transports != "tcp") {
+    config.options["cuda_ipc.trace"] = "true";
+    config.options["cuda_ipc.trace_keep"] = "65536";
+  }
   auto e = Engine::create(config);
   if (!e.ok()) return false;
   s.engine = std::move(e.value());
@@ -78,16 +85,58 @@ double pct(std::vector<double> v, double q) {
   return v[static_cast<size_t>(q * (v.size() - 1))];
 }
 
+int64_t ns_of(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// --trace: where one blocking write's time goes, p50 of each step in us: the
+// call until the transport has it (core), the transport's post until its
+// copies are submitted, until a poll saw them done, until the transfer
+// completed, and until write() returned.
+void print_breakdown(Side& s, const std::vector<std::pair<int64_t, int64_t>>& calls) {
+  std::vector<TraceRecord> recs = take_engine_traces(s.engine->id());
+  if (recs.size() < calls.size()) {
+    std::printf("   trace: %zu records for %zu calls\n", recs.size(), calls.size());
+    return;
+  }
+  recs.erase(recs.begin(), recs.end() - static_cast<std::ptrdiff_t>(calls.size()));
+  std::vector<double> core, submit, copy, finish, ret;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const TraceRecord& r = recs[i];
+    const int64_t posted = r.at(TraceStage::kPosted), sub = r.at(TraceStage::kStageCopySubmitted),
+                  done = r.at(TraceStage::kStageCopyDone), fin = r.at(TraceStage::kCompleted);
+    if (posted == 0 || sub == 0 || done == 0 || fin == 0) continue;
+    core.push_back((posted - calls[i].first) / 1e3);
+    submit.push_back((sub - posted) / 1e3);
+    copy.push_back((done - sub) / 1e3);
+    finish.push_back((fin - done) / 1e3);
+    ret.push_back((calls[i].second - fin) / 1e3);
+  }
+  if (core.empty()) return;
+  std::printf(
+      "   p50 us: call->posted %.2f, posted->copy submitted %.2f, ->copy seen done %.2f, "
+      "->completed %.2f, ->returned %.2f (%zu calls)\n",
+      pct(core, 0.5), pct(submit, 0.5), pct(copy, 0.5), pct(finish, 0.5), pct(ret, 0.5),
+      core.size());
+}
+
 // p50 / p99 of one blocking write of `bytes`.
-std::pair<double, double> latency(Side& s, uint8_t* local, uint64_t bytes, int iters) {
+std::pair<double, double> latency(Side& s, uint8_t* local, uint64_t bytes, int iters,
+                                  bool breakdown = false) {
   LocalIov l{local, bytes};
   RemoteIov r{&s.desc, 0, bytes};
   std::vector<double> us;
+  std::vector<std::pair<int64_t, int64_t>> calls;
   for (int i = 0; i < iters + 50; ++i) {
     const auto t0 = Clock::now();
     if (!s.engine->write(s.peer, {&l, 1}, {&r, 1}).ok()) return {-1, -1};
-    if (i >= 50) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    const auto t1 = Clock::now();
+    if (i >= 50) {
+      us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      calls.emplace_back(ns_of(t0), ns_of(t1));
+    }
   }
+  if (breakdown && g_trace) print_breakdown(s, calls);
   return {pct(us, 0.5), pct(us, 0.99)};
 }
 
@@ -150,6 +199,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--latency-only") == 0) latency_only = true;
     if (std::strcmp(argv[i], "--no-tcp") == 0) with_tcp = false;
+    if (std::strcmp(argv[i], "--trace") == 0) g_trace = true;
   }
   const int peer_device = gputest::peer_device();
   uint8_t *local = nullptr, *scratch = nullptr;
@@ -169,6 +219,25 @@ int main(int argc, char** argv) {
   }
   cudaMalloc(reinterpret_cast<void**>(&local), kLocal);
   std::printf("this process on GPU 0, target on GPU %d\n", peer_device);
+  // The floor of a blocking copy: one cudaMemcpyAsync + stream synchronize,
+  // inside this process.
+  auto raw_latency = [&](uint64_t bytes) {
+    cudaStream_t st;
+    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    std::vector<double> us;
+    for (int i = 0; i < iters + 50; ++i) {
+      const auto t0 = Clock::now();
+      cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDefault, st);
+      cudaStreamSynchronize(st);
+      if (i >= 50)
+        us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    cudaStreamDestroy(st);
+    return pct(us, 0.5);
+  };
+  // The same before any engine runs in this process: what the engines' threads
+  // cost a copy issued beside them.
+  std::printf("raw copy p50 before the engines: 4096 B %.1f us\n", raw_latency(4096));
   Side ipc, tcp;
   if (!setup(ipc, "auto", local) || (with_tcp && !setup(tcp, "tcp", local))) return 1;
   std::printf("carriers: auto engine -> %s, forced engine -> %s\n", ipc.carrier.c_str(),
@@ -192,26 +261,10 @@ int main(int argc, char** argv) {
     return static_cast<double>(bytes) * reps / sec / 1e9;
   };
 
-  // The floor of a blocking copy: one cudaMemcpyAsync + stream synchronize,
-  // inside this process.
-  auto raw_latency = [&](uint64_t bytes) {
-    cudaStream_t st;
-    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-    std::vector<double> us;
-    for (int i = 0; i < iters + 50; ++i) {
-      const auto t0 = Clock::now();
-      cudaMemcpyAsync(scratch, local, bytes, cudaMemcpyDefault, st);
-      cudaStreamSynchronize(st);
-      if (i >= 50)
-        us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-    }
-    cudaStreamDestroy(st);
-    return pct(us, 0.5);
-  };
   std::printf("\n%-34s %14s %14s %14s %14s %9s\n", "blocking write latency (us)", "cuda_ipc p50",
               "tcp p50", "cuda_ipc p99", "raw copy p50", "tcp/ipc");
   for (uint64_t b : {uint64_t{4096}, uint64_t{65536}, uint64_t{1} << 20}) {
-    auto a = latency(ipc, local, b, iters);
+    auto a = latency(ipc, local, b, iters, /*breakdown=*/true);
     auto t = with_tcp ? latency(tcp, local, b, iters / 4) : std::pair<double, double>{0, 0};
     std::printf("%-34s %14.1f %14.1f %14.1f %14.1f %8.1fx\n", (std::to_string(b) + " B").c_str(),
                 a.first, t.first, a.second, raw_latency(b), with_tcp ? t.first / a.first : 0.0);

@@ -62,6 +62,11 @@ const OptionSpec kCudaIpcOptionSpecs[] = {
     {"cuda_ipc.batch_api", OptionType::kBool, "true",
      "copy-engine blocks of a call go to one cudaMemcpyBatchAsync (false: one cudaMemcpyAsync "
      "each)"},
+    {"cuda_ipc.trace", OptionType::kBool, "false",
+     "stage trace of every transfer this engine initiates over cuda_ipc (posted, copies "
+     "submitted, copies seen done, completed; docs/trace.md); off costs one branch"},
+    {"cuda_ipc.trace_keep", OptionType::kUint, "4096",
+     "finished traced transfers kept for reading (the last N)", 1, 1u << 20},
 };
 const size_t kCudaIpcOptionSpecCount = std::size(kCudaIpcOptionSpecs);
 
@@ -162,6 +167,9 @@ Status CudaIpcTransport::read_options() {
   opt_.after_default_stream = o.get_bool("cuda_ipc.after_default_stream");
   opt_.engine_max_blocks = static_cast<uint32_t>(o.get_uint("cuda_ipc.engine_max_blocks"));
   opt_.poll_linger = std::chrono::microseconds(o.get_uint("cuda_ipc.poll_linger_us"));
+  if (o.get_bool("cuda_ipc.trace")) {
+    trace_log_ = trace_log_for(ctx_.engine_id, o.get_uint("cuda_ipc.trace_keep"));
+  }
   return Status::Ok();
 }
 
@@ -823,6 +831,15 @@ Result<CudaIpcTransport::StreamSlot*> CudaIpcTransport::slot_for(int device, boo
 
 Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
                               std::vector<Segment>& segments, bool write) {
+  if (trace_log_) {
+    t->trace = std::make_unique<StageTrace>(trace_log_);
+    bool local_gpu = false;
+    for (const Segment& s : segments) local_gpu = local_gpu || s.local_device >= 0;
+    t->trace->set_memory(local_gpu,
+                         std::any_of(segments.begin(), segments.end(),
+                                     [](const auto& s) { return s.remote_device >= 0; }));
+    t->trace->mark(TraceStage::kPosted);
+  }
   auto c = live_connection(peer);
   if (!c.ok()) return c.status();
   // Peer host memory: the target copies (it cannot be mapped here).
@@ -1009,6 +1026,7 @@ Status CudaIpcTransport::post_granted(const std::shared_ptr<Connection>& conn,
     slot.fifo.push_back(InFlight{t, *c, *ticket, std::move(held)});
     in_flight_.fetch_add(1);
   }
+  if (t->trace) t->trace->mark(TraceStage::kStageCopySubmitted);
   wake_completion();
   return Status::Ok();
 }
@@ -1553,6 +1571,7 @@ void CudaIpcTransport::finish_group(InFlight& f, const Status& status) {
   }
   release_grants(*f.conn, f.grants);
   f.grants.clear();
+  if (f.transfer->trace) f.transfer->trace->mark(TraceStage::kStageCopyDone);
   if (!status.ok()) f.transfer->note_error(status);
   if (f.transfer->outstanding.fetch_sub(1) == 1) finish_transfer(*f.conn, f.transfer);
 }

@@ -311,6 +311,7 @@ class CudaIpcTransport final : public Transport {
   std::vector<PendingRevoke> revokes_;        // under completion_mu_
   std::mutex reap_mu_;                        // one reaper at a time
   std::atomic<int64_t> last_waiter_poll_{0};  // steady_clock ticks of the last progress()
+  std::shared_ptr<TraceLog> trace_log_;       // cuda_ipc.trace: where traced transfers go
 };
 
 }  // namespace ferry::cuda_ipc
