@@ -220,7 +220,8 @@ class Engine::Impl {
   // Local checks of one batch; fills the segments handed to the transport.
   Status build_segments(PeerId peer, std::span<const LocalIov> local,
                         std::span<const RemoteIov> remote, uint8_t wanted,
-                        std::vector<Segment>* out, MemoryRoute* route, bool* host_pairs) {
+                        std::vector<Segment>* out, MemoryRoute* route, bool* host_pairs,
+                        bool* peer_gpu) {
     const char* op = wanted == kAccessWrite ? "write" : "read";
     if (local.size() != remote.size()) {
       return err::InvalidArgument(
@@ -234,6 +235,7 @@ class Engine::Impl {
     bool any_gpu = false;
     bool all_peer_gpu = true;
     *host_pairs = false;  // an iov with no GPU memory on either side
+    *peer_gpu = false;    // an iov with GPU memory on the peer's side
     MemoryRegion cached{};
     for (size_t i = 0; i < local.size(); ++i) {
       const LocalIov& l = local[i];
@@ -274,6 +276,7 @@ class Engine::Impl {
       }
       any_gpu = any_gpu || cached.kind != MemoryKind::kHost || d->kind != MemoryKind::kHost;
       all_peer_gpu = all_peer_gpu && d->kind == MemoryKind::kCuda;
+      *peer_gpu = *peer_gpu || d->kind == MemoryKind::kCuda;
       *host_pairs =
           *host_pairs || (cached.kind != MemoryKind::kCuda && d->kind != MemoryKind::kCuda);
       Segment& s = (*out)[i];
@@ -296,11 +299,13 @@ class Engine::Impl {
     const uint8_t wanted = op == TransferOp::kWrite ? kAccessWrite : kAccessRead;
     MemoryRoute route;
     bool host_pairs = false;
-    if (Status s = build_segments(peer, local, remote, wanted, &segments, &route, &host_pairs);
+    bool peer_gpu = false;
+    if (Status s =
+            build_segments(peer, local, remote, wanted, &segments, &route, &host_pairs, &peer_gpu);
         !s.ok()) {
       return s;
     }
-    auto chosen = transports_.choose(peer, route, host_pairs);
+    auto chosen = transports_.choose(peer, route, host_pairs, peer_gpu);
     if (!chosen.ok()) return chosen.status();
     Transport* transport = *chosen;
     auto t = transfers_.create(op, peer);

@@ -13,14 +13,18 @@ std::string hex_peer(PeerId id) {
   return fmt::format("{:016x}", id);
 }
 
-bool can_carry(const TransportCaps& caps, MemoryRoute route, bool host_pairs = false) {
+// `peer_gpu`: some iov of the call has GPU memory on the peer's side (always
+// so for kPeerGpu).
+bool can_carry(const TransportCaps& caps, MemoryRoute route, bool host_pairs = false,
+               bool peer_gpu = false) {
   switch (route) {
     case MemoryRoute::kHostOnly:
       return caps.host_memory;
     case MemoryRoute::kPeerGpu:
-      return caps.cuda_memory;
+      return caps.cuda_memory && !caps.local_gpu_only;
     case MemoryRoute::kGpuToPeerHost:
-      return caps.cuda_memory && (!caps.cuda_peer_only || (caps.gpu_to_peer_host && !host_pairs));
+      return caps.cuda_memory && (!caps.cuda_peer_only || (caps.gpu_to_peer_host && !host_pairs)) &&
+             !(caps.local_gpu_only && peer_gpu);
   }
   return false;
 }
@@ -146,16 +150,24 @@ bool TransportSet::connected(PeerId peer) const {
                      [peer](const Running& t) { return t.transport->is_connected(peer); });
 }
 
-const TransportSet::Running* TransportSet::pick(PeerId peer, MemoryRoute route,
-                                                bool host_pairs) const {
+TransportCaps TransportSet::caps_for(const Running& t, PeerId peer) {
+  return t.caps.varies_by_peer ? t.transport->capabilities_for(peer) : t.caps;
+}
+
+const TransportSet::Running* TransportSet::pick(PeerId peer, MemoryRoute route, bool host_pairs,
+                                                bool peer_gpu) const {
   for (const Running& t : running_) {
-    if (can_carry(t.caps, route, host_pairs) && t.transport->is_connected(peer)) return &t;
+    if (can_carry(caps_for(t, peer), route, host_pairs, peer_gpu) &&
+        t.transport->is_connected(peer)) {
+      return &t;
+    }
   }
   return nullptr;
 }
 
-Result<Transport*> TransportSet::choose(PeerId peer, MemoryRoute route, bool host_pairs) const {
-  if (const Running* t = pick(peer, route, host_pairs)) return t->transport.get();
+Result<Transport*> TransportSet::choose(PeerId peer, MemoryRoute route, bool host_pairs,
+                                        bool peer_gpu) const {
+  if (const Running* t = pick(peer, route, host_pairs, peer_gpu)) return t->transport.get();
   std::string connected;
   for (const Running& t : running_) {
     if (t.transport->is_connected(peer)) connected += (connected.empty() ? "" : ", ") + t.name;
@@ -180,10 +192,17 @@ void TransportSet::clear_unused(PeerId peer, std::string_view transport) {
 std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
   const Running* chosen[std::size(kAllRoutes)];
   for (size_t r = 0; r < std::size(kAllRoutes); ++r) chosen[r] = pick(peer, kAllRoutes[r]);
+  std::vector<TransportCaps> caps;
+  std::vector<std::string> limits;
+  for (const Running& t : running_) {
+    caps.push_back(caps_for(t, peer));
+    limits.push_back(t.transport->peer_limits(peer));
+  }
   std::lock_guard lock(mu_);
   const auto notes = unused_.find(peer);
   std::vector<PeerTransportInfo> out;
-  for (const Running& t : running_) {
+  for (size_t k = 0; k < running_.size(); ++k) {
+    const Running& t = running_[k];
     PeerTransportInfo info;
     info.transport = t.name;
     info.connected = t.transport->is_connected(peer);
@@ -194,10 +213,10 @@ std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
       const MemoryRoute route = kAllRoutes[r];
       if (chosen[r] == &t) {
         carries.emplace_back(memory_route_name(route));
-      } else if (can_carry(t.caps, route) && chosen[r] != nullptr) {
+      } else if (can_carry(caps[k], route) && chosen[r] != nullptr) {
         taken.push_back(fmt::format("{} carries {}", chosen[r]->name, memory_route_name(route)));
       }
-      if (route != MemoryRoute::kHostOnly && can_carry(t.caps, route)) cannot_gpu = false;
+      if (route != MemoryRoute::kHostOnly && can_carry(caps[k], route)) cannot_gpu = false;
     }
     info.carries = fmt::format("{}", fmt::join(carries, ", "));
     if (info.connected) info.via = t.transport->peer_address(peer);
@@ -207,7 +226,8 @@ std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
       }
       if (info.reason.empty()) info.reason = "not connected to this peer";
     } else if (carries.size() < std::size(kAllRoutes)) {
-      if (cannot_gpu) taken.push_back("carries no GPU memory");
+      if (cannot_gpu && limits[k].empty()) taken.push_back("carries no GPU memory");
+      if (!limits[k].empty()) taken.push_back(limits[k]);
       info.reason = fmt::format("{}", fmt::join(taken, "; "));
     }
     out.push_back(std::move(info));

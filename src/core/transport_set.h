@@ -62,8 +62,11 @@ class TransportSet {
   // The transport for one call to `peer` moving `route`, or NotSupported
   // naming what is connected and why nothing can carry it. `host_pairs`: some
   // iov of a GPU route has host memory on both sides (a transport with
-  // TransportCaps::gpu_to_peer_host cannot carry that one).
-  Result<Transport*> choose(PeerId peer, MemoryRoute route, bool host_pairs = false) const;
+  // TransportCaps::gpu_to_peer_host cannot carry that one). `peer_gpu`: some
+  // iov has GPU memory on the peer's side (a transport with
+  // TransportCaps::local_gpu_only cannot carry that call).
+  Result<Transport*> choose(PeerId peer, MemoryRoute route, bool host_pairs = false,
+                            bool peer_gpu = false) const;
   bool connected(PeerId peer) const;
 
   // Why `transport` is not connected to `peer` (a failed connect, another
@@ -73,7 +76,10 @@ class TransportSet {
   std::vector<PeerTransportInfo> describe_peer(PeerId peer) const;
 
  private:
-  const Running* pick(PeerId peer, MemoryRoute route, bool host_pairs = false) const;
+  const Running* pick(PeerId peer, MemoryRoute route, bool host_pairs = false,
+                      bool peer_gpu = false) const;
+  // t's capabilities towards `peer` (TransportCaps::varies_by_peer).
+  static TransportCaps caps_for(const Running& t, PeerId peer);
 
   std::vector<Running> running_;  // by rank; fixed after start()
   std::vector<TransportInfo> unavailable_;

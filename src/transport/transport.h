@@ -59,6 +59,14 @@ struct TransportCaps {
   // provided every iov whose remote side is host memory has GPU memory on the
   // local side (the target copies between the two; cuda_ipc).
   bool gpu_to_peer_host = false;
+  // With cuda_memory: GPU memory on the local side only -- every remote side
+  // must be host memory (fabric where the peer does not register GPU memory
+  // with FI_HMEM: local GPU memory is staged through pinned host memory, the
+  // peer's GPU memory is out of one-sided reach).
+  bool local_gpu_only = false;
+  // What the transport carries depends on the peer: core asks
+  // capabilities_for(peer) for each call instead of using these.
+  bool varies_by_peer = false;
   bool same_host_only = false;
   // connect() takes only the address blob from the peer's metadata (fabric),
   // never "host:port": Engine::connect(host_port) leaves such a transport out.
@@ -70,6 +78,12 @@ class Transport {
   virtual ~Transport() = default;
   virtual std::string_view name() const = 0;
   virtual TransportCaps capabilities() const = 0;
+  // What it carries to one peer, with TransportCaps::varies_by_peer (called
+  // per call: keep it cheap). Default: capabilities().
+  virtual TransportCaps capabilities_for(PeerId /*peer*/) const { return capabilities(); }
+  // For peer_transports(): what it cannot carry to `peer` and why (empty:
+  // nothing to add to what its capabilities say).
+  virtual std::string peer_limits(PeerId /*peer*/) const { return {}; }
 
   // NotSupported when the transport cannot work on this machine (the message
   // says why); the engine then runs without it and reports the reason.
