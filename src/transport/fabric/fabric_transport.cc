@@ -20,6 +20,7 @@
 #include "core/cpu_relax.h"
 #include "core/thread_name.h"
 #include "core/version.h"
+#include "ferry/gpu.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
 
@@ -49,6 +50,14 @@ const OptionSpec kFabricOptionSpecs[] = {
      "the progress thread polls the completion queue this long after its last event before it "
      "sleeps (a provider with manual progress moves bytes only while polled)",
      0, 1000000},
+    {"fabric.hmem", OptionType::kString, "auto",
+     "GPU memory registered with the provider (FI_HMEM, CUDA): auto (where the provider offers "
+     "it), on (required: the transport does not start without it), off (local GPU memory is "
+     "staged through pinned host memory; the peer's GPU memory goes to another transport)"},
+    {"fabric.gpu_staging_bytes", OptionType::kBytes, "64MiB",
+     "pinned host memory through which local GPU memory is staged without FI_HMEM (1 MiB "
+     "slots; allocated on the first such transfer)",
+     2ull << 20, 16ull << 30},
 };
 const size_t kFabricOptionSpecCount = std::size(kFabricOptionSpecs);
 
@@ -75,6 +84,12 @@ constexpr uint64_t kPolledMaxBytes = 256 << 10;
 // fabric.poll_spin_us while wake-ups follow each other closely).
 constexpr std::chrono::microseconds kMaxPollSpin{2000};
 constexpr uint32_t kApiVersion = FI_VERSION(1, 9);
+// FI_HMEM with a CUDA device in fi_mr_attr (fi_mr_regattr).
+constexpr uint32_t kHmemApiVersion = FI_VERSION(1, 10);
+// One staging slot: a GPU piece of a transfer, the most one RMA op of it moves.
+constexpr uint64_t kStagingSlotBytes = 1 << 20;
+// Address blob flags.
+constexpr uint16_t kAddressHmem = 1;  // the engine registers GPU memory with FI_HMEM
 
 std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
@@ -122,20 +137,23 @@ bool is_disconnect(int err) {
   }
 }
 
+// Format 2 adds the flags (format 1, without them, is still read).
 struct AddressBlob {
   std::string provider, fabric, domain;
   Bytes name;
+  uint16_t flags = 0;
 };
 
 Bytes encode_address(const AddressBlob& a) {
   Bytes out;
   ByteWriter w(out);
-  w.u16(1);
+  w.u16(2);
   w.str16(a.provider);
   w.str16(a.fabric);
   w.str16(a.domain);
   w.u16(static_cast<uint16_t>(a.name.size()));
   w.bytes(a.name.data(), a.name.size());
+  w.u16(a.flags);
   return out;
 }
 
@@ -148,12 +166,13 @@ Result<AddressBlob> decode_address(ByteView b) {
   a.domain = r.str16();
   const uint16_t n = r.u16();
   auto name = r.bytes(n);
+  if (v == 2) a.flags = r.u16();
   if (!r.ok() || r.remaining() != 0 || n == 0 || n > kMaxAddressBytes) {
     return err::InvalidArgument(fmt::format("fabric: malformed peer address ({} bytes)", b.size()));
   }
-  if (v != 1) {
+  if (v != 1 && v != 2) {
     return err::NotSupported(
-        fmt::format("fabric: peer address format {} (this engine reads 1)", v));
+        fmt::format("fabric: peer address format {} (this engine reads 1 and 2)", v));
   }
   a.name.assign(name.begin(), name.end());
   return a;
@@ -165,12 +184,46 @@ FabricTransport::~FabricTransport() {
   shutdown(err::Cancelled("fabric transport destroyed"));
 }
 
+// Local GPU memory: directly under FI_HMEM, else staged (needs CUDA here).
+// The peer's GPU memory: only where the peer registers it with FI_HMEM,
+// which capabilities_for() knows per peer.
 TransportCaps FabricTransport::capabilities() const {
   TransportCaps c;
   c.host_memory = true;
-  c.cuda_memory = false;  // FI_HMEM not used yet: GPU memory goes over tcp
+  c.cuda_memory = hmem_ || cuda_available();
+  c.local_gpu_only = true;
+  c.varies_by_peer = true;
   c.metadata_only = true;
   return c;
+}
+
+TransportCaps FabricTransport::capabilities_for(PeerId peer) const {
+  TransportCaps c = capabilities();
+  std::lock_guard lock(peers_mu_);
+  auto it = peers_.find(peer);
+  if (it != peers_.end() && it->second->hmem) {
+    c.cuda_memory = true;
+    c.local_gpu_only = false;
+  }
+  return c;
+}
+
+std::string FabricTransport::peer_limits(PeerId peer) const {
+  bool peer_hmem = false;
+  {
+    std::lock_guard lock(peers_mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) return {};
+    peer_hmem = it->second->hmem;
+  }
+  if (peer_hmem) return {};
+  return fmt::format(
+      "peer GPU memory: the peer does not register GPU memory with FI_HMEM (provider {}), so "
+      "it cannot be reached one-sided{}",
+      info_ ? info_->fabric_attr->prov_name : "?",
+      capabilities().cuda_memory ? "; local GPU memory with peer host memory is carried" +
+                                       std::string(hmem_ ? " (FI_HMEM)" : " (staged)")
+                                 : "");
 }
 
 std::string FabricTransport::fi_error(int ret) const {
@@ -217,6 +270,21 @@ Status FabricTransport::open_fabric() {
       FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
   hints->domain_attr->threading = FI_THREAD_SAFE;
   hints->addr_format = FI_FORMAT_UNSPEC;
+  // FI_HMEM (GPU memory registered with the provider): asked for first under
+  // fabric.hmem=auto|on where CUDA answers; auto falls back to plain host
+  // memory (local GPU memory is then staged).
+  std::string no_hmem;
+  bool want_hmem = opt_.hmem != FabricOptions::Hmem::kOff;
+  if (want_hmem && !cuda_available(&no_hmem)) want_hmem = false;
+  if (want_hmem && api_.version() < kHmemApiVersion) {
+    want_hmem = false;
+    no_hmem = "libfabric older than 1.10";
+  }
+  if (opt_.hmem == FabricOptions::Hmem::kOn && !want_hmem) {
+    api_.freeinfo(hints);
+    return err::NotSupported("fabric: fabric.hmem=on, but GPU memory cannot be registered: " +
+                             no_hmem);
+  }
   if (!opt_.provider.empty()) hints->fabric_attr->prov_name = ::strdup(opt_.provider.c_str());
   if (!opt_.domain.empty()) hints->domain_attr->name = ::strdup(opt_.domain.c_str());
 
@@ -231,18 +299,36 @@ Status FabricTransport::open_fabric() {
 
   struct fi_info* list = nullptr;
   int ret = -FI_ENODATA;
-  // Ask for delivery-complete writes first (a write's completion then means
-  // the bytes are placed at the target); without it, plain completions.
-  for (int attempt = 0; attempt < 4 && ret != 0; ++attempt) {
-    const bool dc = attempt % 2 == 0;
-    const bool with_node = attempt < 2 && !node.empty();
-    if (attempt < 2 && node.empty() && attempt == 1) continue;
-    hints->tx_attr->op_flags = dc ? FI_DELIVERY_COMPLETE : 0;
-    ret = api_.getinfo(kApiVersion, with_node ? node.c_str() : nullptr, nullptr,
-                       with_node ? FI_SOURCE : 0, hints, &list);
-    if (ret == 0) delivery_complete_ = dc;
+  const uint64_t base_caps = hints->caps;
+  const uint64_t base_mr_mode = hints->domain_attr->mr_mode;
+  for (int with_hmem = want_hmem ? 1 : 0; with_hmem >= 0 && ret != 0; --with_hmem) {
+    hints->caps = base_caps | (with_hmem ? FI_HMEM : 0);
+    hints->domain_attr->mr_mode = base_mr_mode | (with_hmem ? FI_MR_HMEM : 0);
+    // Ask for delivery-complete writes first (a write's completion then means
+    // the bytes are placed at the target); without it, plain completions.
+    for (int attempt = 0; attempt < 4 && ret != 0; ++attempt) {
+      const bool dc = attempt % 2 == 0;
+      const bool with_node = attempt < 2 && !node.empty();
+      if (attempt < 2 && node.empty() && attempt == 1) continue;
+      hints->tx_attr->op_flags = dc ? FI_DELIVERY_COMPLETE : 0;
+      ret = api_.getinfo(with_hmem ? kHmemApiVersion : kApiVersion,
+                         with_node ? node.c_str() : nullptr, nullptr, with_node ? FI_SOURCE : 0,
+                         hints, &list);
+      if (ret == 0) {
+        delivery_complete_ = dc;
+        hmem_ = with_hmem != 0;
+      }
+    }
+    if (ret != 0 && with_hmem) {
+      no_hmem = fmt::format("no provider{} offers FI_HMEM",
+                            opt_.provider.empty() ? std::string() : " '" + opt_.provider + "'");
+      if (opt_.hmem == FabricOptions::Hmem::kOn) break;
+    }
   }
   api_.freeinfo(hints);
+  if (ret != 0 && opt_.hmem == FabricOptions::Hmem::kOn) {
+    return err::NotSupported("fabric: fabric.hmem=on, but " + no_hmem + ": " + fi_error(ret));
+  }
   if (ret != 0 || !list) {
     return err::NotSupported(fmt::format(
         "fabric: no libfabric provider offers reliable-datagram endpoints with RMA{}{}: {}",
@@ -305,11 +391,19 @@ Status FabricTransport::open_fabric() {
   size_t tlen = sizeof text;
   fi_av_straddr(av_, ep_name_.data(), text, &tlen);
   address_ = encode_address({prov, info_->fabric_attr->name ? info_->fabric_attr->name : "",
-                             info_->domain_attr->name ? info_->domain_attr->name : "", ep_name_});
-  address_text_ =
-      fmt::format("{} domain {} at {} (mr_mode {}, {} completion, iov_limit {})", prov,
-                  info_->domain_attr->name ? info_->domain_attr->name : "?", text,
-                  mr_mode_text(mr_mode_), delivery_complete_ ? "delivery" : "transmit", iov_limit_);
+                             info_->domain_attr->name ? info_->domain_attr->name : "", ep_name_,
+                             static_cast<uint16_t>(hmem_ ? kAddressHmem : 0)});
+  const std::string gpu_text =
+      hmem_ ? std::string("GPU memory: FI_HMEM")
+            : fmt::format("GPU memory: {}; peer GPU memory only where the peer has FI_HMEM",
+                          cuda_available()
+                              ? "local staged through pinned host memory (no FI_HMEM" +
+                                    (no_hmem.empty() ? std::string() : ": " + no_hmem) + ")"
+                              : "none (no CUDA here)");
+  address_text_ = fmt::format("{} domain {} at {} (mr_mode {}, {} completion, iov_limit {}; {})",
+                              prov, info_->domain_attr->name ? info_->domain_attr->name : "?", text,
+                              mr_mode_text(mr_mode_), delivery_complete_ ? "delivery" : "transmit",
+                              iov_limit_, gpu_text);
   return Status::Ok();
 }
 
@@ -345,6 +439,18 @@ Status FabricTransport::start_unmasked(const TransportContext& context) {
   opt_.grant_timeout = std::chrono::milliseconds(o.get_uint("fabric.grant_timeout_ms"));
   opt_.peer_timeout = std::chrono::milliseconds(o.get_uint("fabric.peer_timeout_ms"));
   opt_.poll_spin = std::chrono::microseconds(o.get_uint("fabric.poll_spin_us"));
+  opt_.gpu_staging_bytes = o.get_uint("fabric.gpu_staging_bytes");
+  const std::string hmem = o.get_string("fabric.hmem");
+  if (hmem == "auto") {
+    opt_.hmem = FabricOptions::Hmem::kAuto;
+  } else if (hmem == "on") {
+    opt_.hmem = FabricOptions::Hmem::kOn;
+  } else if (hmem == "off") {
+    opt_.hmem = FabricOptions::Hmem::kOff;
+  } else {
+    return err::InvalidArgument(
+        fmt::format("option fabric.hmem: '{}' is not one of auto, on, off", hmem));
+  }
   if (Status s = load_library(); !s.ok()) return s;
   if (Status s = open_fabric(); !s.ok()) {
     shutdown(s);
@@ -436,6 +542,26 @@ void FabricTransport::shutdown(const Status& reason) {
   if (ep_) fi_close(&ep_->fid);
   ep_ = nullptr;
   {
+    // Nothing writes into a staging slot any more: drop every job still
+    // referenced (ops that never completed, jobs never posted) so that their
+    // slots go back before the pool goes. The path's destructor waits for
+    // staging copies in flight; their callbacks take post_mu_ and find the
+    // jobs failed.
+    {
+      std::lock_guard lock(post_mu_);
+      queue_.clear();
+      for (auto& op : ops_) {
+        op->job.reset();
+      }
+    }
+    std::unique_ptr<staging::GpuPath> path;
+    {
+      std::lock_guard lock(gpu_mu_);
+      path = std::move(gpu_);
+    }
+    path.reset();
+  }
+  {
     std::lock_guard lock(export_mu_);
     for (auto& [id, e] : exported_) {
       for (auto* mr : e.mr) {
@@ -446,6 +572,9 @@ void FabricTransport::shutdown(const Status& reason) {
     revoking_.clear();
     for (auto& [id, l] : local_mrs_) fi_close(&l.mr->fid);
     local_mrs_.clear();
+    if (staging_mr_) fi_close(&staging_mr_->fid);
+    staging_mr_ = nullptr;
+    staging_desc_ = nullptr;
   }
   {
     std::lock_guard lock(post_mu_);
@@ -513,8 +642,10 @@ Result<PeerId> FabricTransport::connect(ByteView peer_address, PeerId expected_p
   h.expected = expected_peer;
   h.provider = ours;
   h.address = ep_name_;
+  h.flags = hmem_ ? kHelloHmem : 0;
   auto pending = std::make_shared<Peer>();
   pending->addr = addr;
+  pending->hmem = (a->flags & kAddressHmem) != 0;
   pending->via = text;
   if (Status s = send(pending, addr, MsgType::kHello, request, encode_hello(h)); !s.ok()) {
     std::lock_guard lock(peers_mu_);
@@ -622,19 +753,44 @@ Result<void*> FabricTransport::local_desc(const Segment& s) {
     LocalMr l;
     l.region = ctx_.registry->find(region->id);
     if (!l.region) return err::NotFound(fmt::format("local region {} is gone", region->id));
-    int r = fi_mr_reg(domain_, region->address, region->length, FI_READ | FI_WRITE, 0,
-                      next_key_.fetch_add(1), 0, &l.mr, nullptr);
+    const int device = region->kind == MemoryKind::kCuda ? region->device : -1;
+    int r = register_mr(region->address, region->length, FI_READ | FI_WRITE, device, &l.mr);
     if (r != 0) {
-      return err::Internal(
-          fmt::format("fabric: registering local region {}: {}", region->id, fi_error(r)));
-    }
-    if (mr_mode_ & FI_MR_ENDPOINT) {
-      fi_mr_bind(l.mr, &ep_->fid, 0);
-      fi_mr_enable(l.mr);
+      return err::Internal(fmt::format("fabric: registering local region {} ({}): {}", region->id,
+                                       device >= 0 ? "GPU memory, FI_HMEM" : "host", fi_error(r)));
     }
     it = local_mrs_.emplace(region->id, std::move(l)).first;
   }
   return fi_mr_desc(it->second.mr);
+}
+
+int FabricTransport::register_mr(void* address, size_t length, uint64_t access, int device,
+                                 struct fid_mr** mr) {
+  int ret;
+  if (device >= 0) {
+    struct iovec iov {
+      address, length
+    };
+    struct fi_mr_attr attr {};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = next_key_.fetch_add(1);
+    attr.iface = FI_HMEM_CUDA;
+    attr.device.cuda = device;
+    ret = fi_mr_regattr(domain_, &attr, 0, mr);
+  } else {
+    ret = fi_mr_reg(domain_, address, length, access, 0, next_key_.fetch_add(1), 0, mr, nullptr);
+  }
+  if (ret == 0 && (mr_mode_ & FI_MR_ENDPOINT)) {
+    ret = fi_mr_bind(*mr, &ep_->fid, 0);
+    if (ret == 0) ret = fi_mr_enable(*mr);
+  }
+  if (ret != 0 && *mr) {
+    fi_close(&(*mr)->fid);
+    *mr = nullptr;
+  }
+  return ret;
 }
 
 Status FabricTransport::serve_grant(const std::shared_ptr<Peer>& p, uint64_t request,
@@ -652,9 +808,11 @@ Status FabricTransport::serve_grant(const std::shared_ptr<Peer>& p, uint64_t req
   auto addr = ctx_.registry->check_remote(r, q.access, &pin);
   if (!addr.ok()) {
     g.status = addr.status();
-  } else if (pin.get()->info.kind != MemoryKind::kHost) {
-    g.status = err::NotSupported(fmt::format(
-        "region {} is GPU memory; the fabric transport here carries host memory only", q.region));
+  } else if (pin.get()->info.kind != MemoryKind::kHost && !hmem_) {
+    g.status = err::NotSupported(
+        fmt::format("region {} is GPU memory, which this engine's fabric transport cannot expose "
+                    "without FI_HMEM (provider {}); tcp carries it",
+                    q.region, info_->fabric_attr->prov_name));
   } else {
     Region* region = pin.get();
     const int slot = (q.access & kAccessWrite) ? 1 : 0;
@@ -667,15 +825,10 @@ Status FabricTransport::serve_grant(const std::shared_ptr<Peer>& p, uint64_t req
     Exported& e = it->second;
     if (!e.mr[slot]) {
       const uint64_t access = FI_REMOTE_READ | (slot ? FI_REMOTE_WRITE : 0);
-      int ret = fi_mr_reg(domain_, region->info.address, region->info.length, access, 0,
-                          next_key_.fetch_add(1), 0, &e.mr[slot], nullptr);
-      if (ret == 0 && (mr_mode_ & FI_MR_ENDPOINT)) {
-        ret = fi_mr_bind(e.mr[slot], &ep_->fid, 0);
-        if (ret == 0) ret = fi_mr_enable(e.mr[slot]);
-      }
+      const int device =
+          region->info.kind == MemoryKind::kCuda ? std::max(region->info.device, 0) : -1;
+      int ret = register_mr(region->info.address, region->info.length, access, device, &e.mr[slot]);
       if (ret != 0) {
-        if (e.mr[slot]) fi_close(&e.mr[slot]->fid);
-        e.mr[slot] = nullptr;
         g.status = err::Internal(fmt::format("fabric: registering region {} with the provider: {}",
                                              q.region, fi_error(ret)));
       } else {
@@ -809,6 +962,7 @@ Op* FabricTransport::take_op() {
 
 void FabricTransport::give_op(Op* op) {
   op->job.reset();
+  op->group = -1;
   op->peer.reset();
   op->bytes = 0;
   op->niov = 0;
@@ -886,17 +1040,32 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     return err::InvalidArgument(fmt::format("notification of {} bytes exceeds the limit of {}",
                                             t->notification.size(), kMaxNotificationBytes));
   }
-  for (const Segment& s : segments) {
-    if (s.local_device >= 0 || s.remote_device >= 0) {
-      return err::NotSupported("fabric: GPU memory is not carried by this transport");
+  // Core routes the peer's GPU memory here only where the peer has FI_HMEM
+  // (capabilities_for); local GPU memory is direct under FI_HMEM, else staged.
+  bool staged = false, gpu_direct = false;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
+    if (s.remote_device >= 0 && !(*p)->hmem) {
+      return err::NotSupported(fmt::format(
+          "fabric: {} iov {}: region {} of {} is GPU memory, and the peer does not register GPU "
+          "memory with FI_HMEM: it cannot be reached one-sided (tcp carries it)",
+          write ? "write" : "read", i, s.remote.region_id, describe(**p)));
     }
+    if (s.local_device >= 0) (hmem_ ? gpu_direct : staged) = true;
   }
   auto job = std::make_shared<Job>();
   job->transfer = t;
   job->peer = *p;
   job->write = write;
-  job->keys.resize(segments.size());
-  if (mr_mode_ & FI_MR_LOCAL) job->descs.resize(segments.size());
+  job->segs = std::move(segments);
+  if (staged) {
+    auto path = gpu();
+    if (!path.ok()) return path.status();
+    if (Status s = plan_staging(*job, *path); !s.ok()) return s;
+  }
+  std::vector<Segment>& segs = job->segs;
+  job->keys.resize(segs.size());
+  if ((mr_mode_ & FI_MR_LOCAL) || gpu_direct) job->descs.resize(segs.size());
   uint64_t revoke_gen;
   {
     std::lock_guard lock(post_mu_);
@@ -906,8 +1075,8 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
   // of segments on one descriptor looks it up once.
   const RemoteAccessRequest* last = nullptr;
   RemoteKey last_key;
-  for (size_t i = 0; i < segments.size(); ++i) {
-    const RemoteAccessRequest& r = segments[i].remote;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const RemoteAccessRequest& r = segs[i].remote;
     if (!last || key_of(*last) != key_of(r)) {
       auto k = grant_for(*p, r);
       if (!k.ok()) {
@@ -919,13 +1088,15 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
       last = &r;
     }
     job->keys[i] = {last_key.mr_key, last_key.base + r.adv_offset + r.offset};
-    if (!job->descs.empty()) {
-      auto d = local_desc(segments[i]);
+    if (job->descs.empty()) continue;
+    if (!job->group_of.empty() && job->group_of[i] >= 0) {
+      job->descs[i] = staging_desc_;  // the pool's registration
+    } else if ((mr_mode_ & FI_MR_LOCAL) || segs[i].local_device >= 0) {
+      auto d = local_desc(segs[i]);
       if (!d.ok()) return d.status();
       job->descs[i] = *d;
     }
   }
-  job->segs = std::move(segments);
   {
     std::lock_guard lock(post_mu_);
     if ((*p)->dead.load()) {
@@ -951,6 +1122,7 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     pump_locked();
     maybe_finish_locked(job);
   }
+  if (!job->groups.empty()) start_staging(job);
   // Nobody will poll the CQ for a transfer this large (core's wait() sleeps
   // at once): a progress thread napping behind a waiter's lease takes the CQ
   // back now.
@@ -960,6 +1132,208 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
   if (unpolled) waiter_polled_ns_.store(0, std::memory_order_relaxed);
   wake(unpolled);
   return Status::Ok();
+}
+
+// --- GPU staging ------------------------------------------------------------------
+
+Result<staging::GpuPath*> FabricTransport::gpu() {
+  std::lock_guard lock(gpu_mu_);
+  if (gpu_) return gpu_.get();
+  if (!gpu_error_.ok()) return gpu_error_;
+  staging::GpuPathOptions o;
+  o.staging_bytes = opt_.gpu_staging_bytes;
+  o.slot_bytes = std::min(kStagingSlotBytes, max_op_bytes_);
+  o.user = "fabric";
+  auto created = staging::GpuPath::create(o, "ferry-fab");
+  if (!created.ok()) {
+    gpu_error_ = created.status();
+    return gpu_error_;
+  }
+  // The pool is registered once, as a whole: every slot lies in it.
+  if (mr_mode_ & FI_MR_LOCAL) {
+    auto [base, bytes] = (*created)->staging_memory();
+    const int r = register_mr(base, bytes, FI_READ | FI_WRITE, -1, &staging_mr_);
+    if (r != 0) {
+      gpu_error_ = err::Internal(fmt::format(
+          "fabric: registering the {} bytes of GPU staging memory: {}", bytes, fi_error(r)));
+      return gpu_error_;
+    }
+    staging_desc_ = fi_mr_desc(staging_mr_);
+  }
+  spdlog::info(
+      "ferry: fabric: local GPU memory staged through {} MiB of pinned memory ({} KiB "
+      "slots; no FI_HMEM)",
+      opt_.gpu_staging_bytes >> 20, o.slot_bytes >> 10);
+  gpu_ = std::move(created.value());
+  return gpu_.get();
+}
+
+Status FabricTransport::plan_staging(Job& job, staging::GpuPath* path) {
+  const uint64_t slot = path->slot_bytes();
+  std::vector<Segment> out;
+  out.reserve(job.segs.size());
+  for (const Segment& s : job.segs) {
+    if (s.local_device < 0 || s.length <= slot) {
+      out.push_back(s);
+      continue;
+    }
+    for (uint64_t off = 0; off < s.length; off += slot) {
+      Segment piece = s;
+      piece.local = s.local + off;
+      piece.length = std::min(slot, s.length - off);
+      piece.remote.offset = s.remote.offset + off;
+      piece.remote.length = piece.length;
+      out.push_back(piece);
+    }
+  }
+  job.segs = std::move(out);
+  job.group_of.assign(job.segs.size(), -1);
+  job.slot_off.assign(job.segs.size(), 0);
+  for (size_t i = 0; i < job.segs.size(); ++i) {
+    const Segment& s = job.segs[i];
+    if (s.local_device < 0) continue;
+    if (job.groups.empty() || job.groups.back().bytes + s.length > slot) {
+      job.groups.emplace_back();
+      job.groups.back().first = i;
+    }
+    StageGroup& g = job.groups.back();
+    job.group_of[i] = static_cast<int32_t>(job.groups.size() - 1);
+    job.slot_off[i] = g.bytes;
+    g.bytes += s.length;
+    g.left = g.bytes;
+    g.last = i;
+  }
+  return Status::Ok();
+}
+
+void FabricTransport::start_staging(const std::shared_ptr<Job>& job) {
+  staging::GpuPath* path;
+  {
+    std::lock_guard lock(gpu_mu_);
+    path = gpu_.get();
+  }
+  if (!path) return;  // shut down: the job has failed
+  // One request per group, in order: the pool serves waiters in request
+  // order, so a transfer larger than the pool flows through it as its
+  // earlier groups give their slots back.
+  for (size_t g = 0; g < job->groups.size(); ++g) {
+    auto slot = path->slot_or_later(
+        [this, job, g](std::unique_ptr<StagingSlot> later) { on_slot(job, g, std::move(later)); });
+    if (slot) on_slot(job, g, std::move(slot));
+  }
+}
+
+void FabricTransport::on_slot(const std::shared_ptr<Job>& job, size_t g,
+                              std::unique_ptr<StagingSlot> slot) {
+  std::vector<staging::DeviceCopy> copies;
+  {
+    std::lock_guard lock(post_mu_);
+    if (job->stopped || job->finished) return;  // the slot goes back
+    StageGroup& group = job->groups[g];
+    group.slot = std::move(slot);
+    if (!job->write) {
+      group.ready = true;  // a read lands in the slot
+      pump_locked();
+    } else {
+      for (size_t i = group.first; i <= group.last; ++i) {
+        if (job->group_of[i] != static_cast<int32_t>(g)) continue;
+        const Segment& s = job->segs[i];
+        copies.push_back(
+            {s.local_device, {group.slot->data() + job->slot_off[i], s.local, s.length}});
+      }
+      ++job->copies;
+    }
+  }
+  if (copies.empty()) {
+    wake();
+    return;
+  }
+  staging::GpuPath* path;
+  {
+    std::lock_guard lock(gpu_mu_);
+    path = gpu_.get();
+  }
+  auto done = [this, job, g](Status st) {
+    {
+      std::lock_guard lock(post_mu_);
+      --job->copies;
+      if (!st.ok()) {
+        job->stopped = true;
+        if (job->error.ok()) {
+          job->error = Status(
+              st.code(), fmt::format("fabric: staging {} bytes of GPU memory "
+                                     "for the write to {}: {}",
+                                     job->groups[g].bytes, describe(*job->peer), st.message()));
+        }
+      } else {
+        job->groups[g].ready = true;
+        pump_locked();
+      }
+      maybe_finish_locked(job);
+      job_cv_.notify_all();
+    }
+    wake();
+  };
+  if (!path) {
+    done(err::Cancelled("fabric: transport shut down"));
+    return;
+  }
+  path->copy_then(std::move(copies), std::move(done));
+}
+
+void FabricTransport::group_done_locked(const std::shared_ptr<Job>& job, size_t g,
+                                        const Status& error) {
+  StageGroup& group = job->groups[g];
+  if (job->write || !error.ok() || job->stopped || !job->error.ok()) {
+    group.slot.reset();  // back to the pool (a waiter gets it on the job thread)
+    return;
+  }
+  // A read: every byte of the group is in the slot; slot → device, then the
+  // slot goes back. The copy is submitted from the staging job thread (this
+  // one holds post_mu_, which the copy's completion takes).
+  std::vector<staging::DeviceCopy> copies;
+  for (size_t i = group.first; i <= group.last; ++i) {
+    if (job->group_of[i] != static_cast<int32_t>(g)) continue;
+    const Segment& s = job->segs[i];
+    copies.push_back({s.local_device, {s.local, group.slot->data() + job->slot_off[i], s.length}});
+  }
+  staging::GpuPath* path;
+  {
+    std::lock_guard gpu_lock(gpu_mu_);  // after post_mu_, never before it
+    path = gpu_.get();
+  }
+  if (!path) {
+    group.slot.reset();
+    return;
+  }
+  ++job->copies;
+  path->run([this, job, g, path, copies = std::move(copies)]() mutable {
+    path->copy_then(std::move(copies), [this, job, g](Status st) {
+      {
+        std::lock_guard lock(post_mu_);
+        --job->copies;
+        job->groups[g].slot.reset();
+        if (!st.ok()) {
+          job->stopped = true;
+          if (job->error.ok()) {
+            job->error = Status(
+                st.code(), fmt::format("fabric: copying {} bytes read from {} "
+                                       "into GPU memory: {}",
+                                       job->groups[g].bytes, describe(*job->peer), st.message()));
+          }
+        }
+        maybe_finish_locked(job);
+        job_cv_.notify_all();
+      }
+      wake();
+    });
+  });
+}
+
+bool FabricTransport::staged_waiting_locked(const Job& job) const {
+  if (job.group_of.empty() || job.next >= job.segs.size()) return false;
+  const int32_t g = job.group_of[job.next];
+  return g >= 0 && !job.groups[static_cast<size_t>(g)].ready;
 }
 
 Status FabricTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& transfer,
@@ -994,16 +1368,25 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   uint64_t total = 0;
   const uint64_t key = job.keys[i].mr_key;
   const uint64_t start = job.keys[i].base + off;
+  // Staged pieces: one op never mixes groups (a group's slot goes back when
+  // its bytes completed) nor splits a piece (each fits one op).
+  auto group_at = [&job](size_t k) { return job.group_of.empty() ? -1 : job.group_of[k]; };
+  const int32_t group = group_at(i);
+  op->group = group;
   op->niov = 0;
   size_t end_i = i;
   uint64_t end_off = off;
   while (end_i < job.segs.size() && op->niov < iov_limit_) {
     const Segment& s = job.segs[end_i];
-    if (op->niov > 0 && (job.keys[end_i].mr_key != key || job.keys[end_i].base != start + total)) {
+    if (op->niov > 0 &&
+        (job.keys[end_i].mr_key != key || job.keys[end_i].base != start + total ||
+         group_at(end_i) != group || (group >= 0 && s.length > max_op_bytes_ - total))) {
       break;
     }
     const uint64_t take = std::min<uint64_t>(s.length - end_off, max_op_bytes_ - total);
-    op->iov[op->niov].iov_base = s.local + end_off;
+    op->iov[op->niov].iov_base = group >= 0 ? job.groups[static_cast<size_t>(group)].slot->data() +
+                                                  job.slot_off[end_i] + end_off
+                                            : s.local + end_off;
     op->iov[op->niov].iov_len = take;
     op->desc[op->niov] = job.descs.empty() ? nullptr : job.descs[end_i];
     ++op->niov;
@@ -1102,8 +1485,8 @@ void FabricTransport::pump_locked() {
       continue;
     }
     if (inflight_ >= opt_.max_inflight || inflight_bytes_ >= opt_.max_inflight_bytes) break;
-    if (is_blocked(job->peer->addr)) {
-      ++it;
+    if (is_blocked(job->peer->addr) || staged_waiting_locked(*job)) {
+      ++it;  // a staged group still waits for its slot or copy: not the peer's fault
       continue;
     }
     if (!post_one_locked(*job, job) && !job->stopped) {
@@ -1128,7 +1511,7 @@ void FabricTransport::fail_job_locked(const std::shared_ptr<Job>& job, const Sta
 void FabricTransport::maybe_finish_locked(const std::shared_ptr<Job>& job) {
   if (job->finished) return;
   const bool all_posted = job->stopped || job->next >= job->segs.size();
-  if (!all_posted || job->done != job->posted) return;
+  if (!all_posted || job->done != job->posted || job->copies != 0) return;
   if (!job->error.ok()) {
     fail_job_locked(job, job->error);
     return;
@@ -1161,8 +1544,9 @@ void FabricTransport::cancel(Transfer& transfer) {
   }
   // Ops already handed to the provider cannot be called back: wait until they
   // complete (or the peer is declared dead, which bounds the wait).
-  job_cv_.wait_for(lock, opt_.peer_timeout + std::chrono::seconds(1),
-                   [&] { return job->done == job->posted || job->peer->dead.load(); });
+  job_cv_.wait_for(lock, opt_.peer_timeout + std::chrono::seconds(1), [&] {
+    return (job->done == job->posted || job->peer->dead.load()) && job->copies == 0;
+  });
   maybe_finish_locked(job);
 }
 
@@ -1187,9 +1571,18 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
     inflight_bytes_ -= op->bytes;
     std::shared_ptr<Job> job = std::move(op->job);
     const RegionId region = op->remote_region;
+    const int32_t group = op->group;
+    const uint64_t bytes = op->bytes;
     give_op(op);
     if (!job) return;
     ++job->done;
+    if (group >= 0) {
+      StageGroup& g = job->groups[static_cast<size_t>(group)];
+      g.left -= std::min(g.left, bytes);
+      // Only once none of its ops is in flight may the slot go back (a
+      // stopped job's unposted pieces keep it until the job is dropped).
+      if (g.left == 0) group_done_locked(job, static_cast<size_t>(group), error);
+    }
     if (!error.ok()) {
       job->stopped = true;
       if (job->error.ok()) {
@@ -1457,8 +1850,8 @@ void FabricTransport::progress_loop() {
       sleeping_.store(Sleep::kAwake);
       const bool renewed =
           waiter_polled_ns_.load(std::memory_order_relaxed) + kWaiterLeaseNs > now_ns();
-      waiter_nap_ns = !woken && renewed ? std::min(waiter_nap_ns * 2, kMaxWaiterNapNs)
-                                        : kWaiterLeaseNs;
+      waiter_nap_ns =
+          !woken && renewed ? std::min(waiter_nap_ns * 2, kMaxWaiterNapNs) : kWaiterLeaseNs;
       last_event = Clock::time_point{};  // no spin after: read the CQ, then sleep on it
       continue;
     }
@@ -1628,6 +2021,7 @@ Status FabricTransport::handle(const Header& h, ByteView body) {
     p->id = h.sender;
     p->addr = addr;
     p->via = text;
+    p->hmem = (hello->flags & kHelloHmem) != 0;
     p->last_heard.store(now_ns());
     Status verdict;
     if (hello->protocol != kProtocolVersion) {

@@ -29,7 +29,19 @@
 // batches larger than the window queue and are posted as completions free
 // room, without per-iov allocation. A peer that has not been heard from for
 // fabric.peer_timeout_ms (keepalive PING/PONG) is declared dead and every
-// transfer to it fails with PeerDisconnected. docs/fabric.md has the rest.
+// transfer to it fails with PeerDisconnected.
+//
+// GPU memory (docs/fabric.md, "GPU memory"): where the provider offers FI_HMEM
+// (fabric.hmem), GPU regions are registered with fi_mr_regattr
+// (FI_HMEM_CUDA) and carried directly, on either side. Without it, local GPU
+// memory goes through the pinned staging slots shared with tcp
+// (transport/common/gpu_staging.h): a write copies device → slot, then
+// fi_write from the slot; a read fi_reads into a slot, then copies slot →
+// device; slots are pipelined against the network, bounded by the pool, and
+// the pool is registered with the provider once. The peer's GPU memory needs
+// FI_HMEM on the peer (its address and HELLO say so): without it
+// capabilities_for(peer) leaves such calls to another transport (tcp).
+// docs/fabric.md has the rest.
 #pragma once
 
 #include <rdma/fabric.h>
@@ -51,6 +63,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "transport/common/gpu_staging.h"
 #include "transport/fabric/fabric_wire.h"
 #include "transport/transport.h"
 
@@ -82,6 +95,8 @@ struct FabricOptions {
   std::chrono::milliseconds grant_timeout{10000};
   std::chrono::milliseconds peer_timeout{1500};
   std::chrono::microseconds poll_spin{50};
+  enum class Hmem : uint8_t { kAuto, kOn, kOff } hmem = Hmem::kAuto;
+  uint64_t gpu_staging_bytes = 64ull << 20;
 };
 
 // The descriptor a grant was made for.
@@ -99,6 +114,9 @@ struct Peer {
   std::string via;
   std::atomic<bool> dead{false};
   std::atomic<int64_t> last_heard{0};  // steady_clock nanoseconds
+  // The peer registers GPU memory with FI_HMEM (its address / HELLO say so):
+  // its GPU memory can be reached one-sided. Set before the peer is listed.
+  bool hmem = false;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -125,10 +143,25 @@ struct Op {
   struct fid_mr* mr = nullptr;  // buf's registration (FI_MR_LOCAL only)
   uint64_t bytes = 0;           // RMA payload bytes
   RegionId remote_region = 0;
+  int32_t group = -1;  // the staging group its local iovs lie in (-1: none)
   size_t niov = 0;
   struct iovec iov[kMaxIov];
   void* desc[kMaxIov];
   struct fi_rma_iov rma;
+};
+
+// Staged segments of a job (local GPU memory without FI_HMEM): consecutive
+// pieces packed into one staging slot. A write's group is ready once the
+// device → slot copy is done, a read's once it holds a slot; the slot goes
+// back when every RMA op of the group completed (a read: after the slot →
+// device copy).
+struct StageGroup {
+  std::unique_ptr<StagingSlot> slot;
+  bool ready = false;
+  uint64_t bytes = 0;  // payload of its pieces
+  uint64_t left = 0;   // bytes whose RMA op has not completed
+  size_t first = 0;    // its pieces: segments [first, last]
+  size_t last = 0;
 };
 
 struct Job {
@@ -137,9 +170,15 @@ struct Job {
   bool write = true;
   std::vector<Segment> segs;
   std::vector<RemoteKey> keys;  // per segment: key and remote address of byte 0
-  std::vector<void*> descs;     // per segment (FI_MR_LOCAL only)
-  size_t next = 0;              // next segment to post
-  uint64_t next_off = 0;        // bytes of it already posted
+  std::vector<void*> descs;     // per segment (FI_MR_LOCAL, or local GPU memory under FI_HMEM)
+  // Staging (empty when no segment is staged): per segment its group (-1:
+  // none) and offset in the group's slot.
+  std::vector<int32_t> group_of;
+  std::vector<uint64_t> slot_off;
+  std::vector<StageGroup> groups;
+  uint32_t copies = 0;    // staging copies in flight (they touch local memory)
+  size_t next = 0;        // next segment to post
+  uint64_t next_off = 0;  // bytes of it already posted
   uint64_t posted = 0, done = 0;
   bool stopped = false;  // no more posting (failed, cancelled, peer dead)
   bool notify_posted = false;
@@ -154,6 +193,10 @@ class FabricTransport final : public Transport {
 
   std::string_view name() const override { return "fabric"; }
   TransportCaps capabilities() const override;
+  TransportCaps capabilities_for(PeerId peer) const override;
+  std::string peer_limits(PeerId peer) const override;
+  // FI_HMEM is in use (GPU regions registered with the provider).
+  bool hmem() const { return hmem_; }
   Status start(const TransportContext& context) override;
   Status start_unmasked(const TransportContext& context);
   void shutdown(const Status& reason) override;
@@ -212,6 +255,21 @@ class FabricTransport final : public Transport {
   Result<std::shared_ptr<Peer>> live_peer(PeerId peer) const;
   Result<RemoteKey> grant_for(const std::shared_ptr<Peer>& p, const RemoteAccessRequest& r);
   Result<void*> local_desc(const Segment& s);
+  // fi_mr_reg, or fi_mr_regattr with FI_HMEM_CUDA for `device` >= 0; bound
+  // to the endpoint under FI_MR_ENDPOINT. Returns the provider's code.
+  int register_mr(void* address, size_t length, uint64_t access, int device, struct fid_mr** mr);
+
+  // GPU staging (local GPU memory without FI_HMEM).
+  Result<staging::GpuPath*> gpu();
+  // Splits local-GPU segments into pieces of at most one slot and packs
+  // consecutive ones into groups.
+  Status plan_staging(Job& job, staging::GpuPath* path);
+  // Asks for a slot per group, in order (no lock held).
+  void start_staging(const std::shared_ptr<Job>& job);
+  void on_slot(const std::shared_ptr<Job>& job, size_t group, std::unique_ptr<StagingSlot> slot);
+  // post_mu_ held: every byte of group `g` has completed its RMA op.
+  void group_done_locked(const std::shared_ptr<Job>& job, size_t g, const Status& error);
+  bool staged_waiting_locked(const Job& job) const;
 
   // post_mu_ held:
   Op* take_op();
@@ -263,6 +321,7 @@ class FabricTransport final : public Transport {
   Bytes address_;
   std::string address_text_;
   uint64_t mr_mode_ = 0;
+  bool hmem_ = false;  // FI_HMEM granted: GPU memory registered directly
   bool delivery_complete_ = false;
   size_t iov_limit_ = 1;
   uint64_t max_op_bytes_ = 8ull << 20;
@@ -305,6 +364,12 @@ class FabricTransport final : public Transport {
   uint64_t inflight_ = 0, inflight_bytes_ = 0;
   std::atomic<bool> backlog_{false};  // send_queue_ or queue_ not empty after the last pump
   std::vector<Op*> recvs_;
+
+  std::mutex gpu_mu_;
+  std::unique_ptr<staging::GpuPath> gpu_;  // under gpu_mu_; created on first use
+  Status gpu_error_;
+  struct fid_mr* staging_mr_ = nullptr;  // the whole pool, once (FI_MR_LOCAL)
+  void* staging_desc_ = nullptr;
 
   std::chrono::steady_clock::time_point next_ping_{};
 

@@ -98,6 +98,7 @@ Bytes encode_hello(const Hello& h) {
   w.str16(h.provider);
   w.u16(static_cast<uint16_t>(h.address.size()));
   w.bytes(h.address.data(), h.address.size());
+  w.u16(h.flags);
   return out;
 }
 
@@ -114,6 +115,7 @@ Result<Hello> decode_hello(ByteView body) {
   }
   auto a = r.bytes(n);
   h.address.assign(a.begin(), a.end());
+  if (r.ok() && r.remaining() >= 2) h.flags = r.u16();
   if (Status s = wire_codec::expect_end(kCodec, r, "HELLO"); !s.ok()) return s;
   return h;
 }

@@ -52,7 +52,11 @@ struct Hello {
   uint64_t expected = 0;  // the engine id the sender meant to reach (0: any)
   std::string provider;
   Bytes address;  // fi_getname bytes of the sender's endpoint
+  // Optional (absent from older senders): kHelloHmem -- the sender registers
+  // GPU memory with FI_HMEM, so its GPU memory can be reached one-sided.
+  uint16_t flags = 0;
 };
+constexpr uint16_t kHelloHmem = 1;
 
 struct HelloAck {
   Status status;
