@@ -45,6 +45,9 @@ const OptionSpec kEngineOptionSpecs[] = {
     {"engine.wait_spin_us", OptionType::kUint, "100",
      "wait() on a transfer of up to 256 KiB spins this long before sleeping (0: sleep at once)", 0,
      100000},
+    {"engine.merge_iovs", OptionType::kBool, "true",
+     "iovs of one call that continue each other on both sides (the next local address and the "
+     "next remote offset of the same descriptor) reach the transport as one segment"},
 };
 
 std::string hex_id(uint64_t id) {
@@ -103,6 +106,7 @@ class Engine::Impl {
     }
     log_to_stderr();
     wait_spin_ = std::chrono::microseconds(options_.get_uint("engine.wait_spin_us"));
+    merge_iovs_ = options_.get_bool("engine.merge_iovs");
     spdlog::set_level(parsed);
     // register_memory tells GPU memory from host memory (host-only without CUDA).
     set_memory_kind_detector(&cuda_detect_memory_kind);
@@ -231,7 +235,10 @@ class Engine::Impl {
       return err::InvalidArgument(
           fmt::format("{}: {} iovs (allowed 1 to {})", op, local.size(), kMaxIovsPerCall));
     }
-    out->resize(local.size());
+    // Reserved, not sized: merged iovs leave fewer segments than iovs, and a
+    // sized vector would write every segment twice.
+    out->clear();
+    out->reserve(local.size());
     bool any_gpu = false;
     bool all_peer_gpu = true;
     *host_pairs = false;  // an iov with no GPU memory on either side
@@ -265,8 +272,10 @@ class Engine::Impl {
       }
       const auto a = reinterpret_cast<uintptr_t>(l.address);
       const auto base = reinterpret_cast<uintptr_t>(cached.address);
+      bool same_region = true;  // as the iov before (the local side)
       if (cached.length == 0 || a < base || a - base > cached.length ||
           l.length > cached.length - (a - base)) {
+        same_region = false;
         auto found = registry_.find_local(l.address, l.length);
         if (!found.ok()) {
           return Status(found.status().code(),
@@ -279,7 +288,20 @@ class Engine::Impl {
       *peer_gpu = *peer_gpu || d->kind == MemoryKind::kCuda;
       *host_pairs =
           *host_pairs || (cached.kind != MemoryKind::kCuda && d->kind != MemoryKind::kCuda);
-      Segment& s = (*out)[i];
+      // An iov continuing the one before on both sides (consecutive pages of
+      // one tensor) extends its segment: the transports' per-segment work
+      // (grants, copy descriptors, frame entries) then runs once per run of
+      // pages, not once per page. The checks above still ran for each iov.
+      if (merge_iovs_ && same_region && !out->empty() && remote[i - 1].descriptor == d) {
+        Segment& p = out->back();
+        if (p.local + p.length == static_cast<uint8_t*>(l.address) &&
+            p.remote.offset + p.remote.length == r.offset) {
+          p.length += l.length;
+          p.remote.length += l.length;
+          continue;
+        }
+      }
+      Segment& s = out->emplace_back();
       s.local = static_cast<uint8_t*>(l.address);
       s.length = l.length;
       s.remote = {d->region_id, d->region_offset, d->length, d->key, d->access, r.offset, r.length};
@@ -410,6 +432,7 @@ class Engine::Impl {
   std::mutex peers_mu_;
   std::map<PeerId, std::string> lost_;
   std::chrono::microseconds wait_spin_{0};
+  bool merge_iovs_ = true;
   std::set<PeerId> known_;
   std::mutex notify_mu_;
   std::condition_variable notify_cv_;
