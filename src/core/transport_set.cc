@@ -226,7 +226,7 @@ std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
       }
       if (info.reason.empty()) info.reason = "not connected to this peer";
     } else if (carries.size() < std::size(kAllRoutes)) {
-      if (cannot_gpu && limits[k].empty()) taken.push_back("carries no GPU memory");
+      if (cannot_gpu) taken.push_back("carries no GPU memory");
       if (!limits[k].empty()) taken.push_back(limits[k]);
       info.reason = fmt::format("{}", fmt::join(taken, "; "));
     }

@@ -361,9 +361,17 @@ TEST(FabricWire, MalformedMessagesAreProtocolErrors) {
   g.push_back(3);
   g.push_back(0);
   EXPECT_EQ(decode_grant_req(g).status().code(), StatusCode::kProtocolError);
-  Bytes h = encode_hello({1, 0, "tcp;ofi_rxm", Bytes(16, 1)});
-  EXPECT_TRUE(decode_hello(h).ok());
-  h[h.size() - 17] = 0xff;  // address length
+  Bytes h = encode_hello({1, 0, "tcp;ofi_rxm", Bytes(16, 1), kHelloHmem});
+  ASSERT_TRUE(decode_hello(h).ok());
+  EXPECT_EQ(decode_hello(h)->flags, kHelloHmem);
+  // An older sender's HELLO ends with the address: no flags, still read.
+  Bytes old_hello(h.begin(), h.end() - 2);
+  ASSERT_TRUE(decode_hello(old_hello).ok());
+  EXPECT_EQ(decode_hello(old_hello)->flags, 0);
+  h.push_back(0);  // a byte past the flags
+  EXPECT_EQ(decode_hello(h).status().code(), StatusCode::kProtocolError);
+  h.pop_back();
+  h[h.size() - 2 - 17] = 0xff;  // address length (before 16 address bytes and the flags)
   EXPECT_EQ(decode_hello(h).status().code(), StatusCode::kProtocolError);
   Bytes gr = encode_grant({err::NotFound("region 5"), 1, 2});
   auto back = decode_grant(gr);
