@@ -45,11 +45,11 @@ struct CopyOptions {
   // Copy-engine blocks: one cudaMemcpyBatchAsync (CUDA >= 12.8) when true, a
   // cudaMemcpyAsync per block otherwise (and always on older CUDA).
   bool use_batch_api = true;
-  // The stream is a blocking one: its batches start only after work queued
-  // before them on the device's legacy default stream (where a PyTorch
-  // program's tensors are produced unless it picks another stream), and that
-  // stream's later work waits for them. Off: a non-blocking stream, ordered
-  // with nothing else (the caller synchronises).
+  // Batches start only after work queued before them on the device's legacy
+  // default stream (where a PyTorch program's tensors are produced unless it
+  // picks another stream). Work queued there later does not wait for them:
+  // wait for the batch's ticket first. Off: ordered with nothing else (the
+  // caller synchronises).
   bool after_default_stream = false;
 };
 

@@ -29,8 +29,9 @@ bool Transfer::wait_until(std::chrono::steady_clock::time_point deadline,
   // microseconds, less than it costs to put this thread to sleep and wake it.
   if (spin.count() > 0) {
     const auto spin_end = std::min(deadline, std::chrono::steady_clock::now() + spin);
+    const uint32_t spins = transport != nullptr ? transport->progress_spins() : 64;
     do {
-      for (int i = 0; i < 64; ++i) {
+      for (uint32_t i = 0; i < spins; ++i) {
         if (finished_.load(std::memory_order_acquire)) {
           if (transport != nullptr) transport->stop_polling(*this, true);
           return true;

@@ -186,7 +186,8 @@ struct CopyStream::Impl {
   cudaStream_t stream = nullptr;     // the ordered stream; tickets live here
   cudaStream_t ce_stream = nullptr;  // copy-engine half of a mixed batch
   cudaEvent_t fork_ev = nullptr, join_ev = nullptr;
-  uint32_t* sm_mask = nullptr;  // device: SMs the kernel ran on
+  cudaEvent_t legacy_ev = nullptr;  // after_default_stream: the legacy stream's work so far
+  uint32_t* sm_mask = nullptr;      // device: SMs the kernel ran on
 
   mutable std::mutex mu;
   uint64_t last_ticket = 0;
@@ -219,6 +220,7 @@ struct CopyStream::Impl {
     for (auto& s : free_staging) cudaFreeHost(s.host);
     if (fork_ev != nullptr) cudaEventDestroy(fork_ev);
     if (join_ev != nullptr) cudaEventDestroy(join_ev);
+    if (legacy_ev != nullptr) cudaEventDestroy(legacy_ev);
     if (sm_mask != nullptr) cudaFree(sm_mask);
     if (ce_stream != nullptr) cudaStreamDestroy(ce_stream);
     if (stream != nullptr) cudaStreamDestroy(stream);
@@ -232,11 +234,15 @@ struct CopyStream::Impl {
     cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
     if (e != cudaSuccess) return cuda_status(e, "cudaDeviceGetAttribute(MultiProcessorCount)");
     sm_count = static_cast<uint32_t>(n);
-    const unsigned flags = opts.after_default_stream ? cudaStreamDefault : cudaStreamNonBlocking;
-    if ((e = cudaStreamCreateWithFlags(&stream, flags)) != cudaSuccess ||
+    // Non-blocking even with after_default_stream: a blocking stream paid
+    // ~2 us per submission for its implicit tie to the legacy stream, also
+    // when that stream was idle (ferry-cuda-ipc-bench --trace, 2 x H100);
+    // submit() waits for the legacy stream only when it has work queued.
+    if ((e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&ce_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&legacy_ev, cudaEventDisableTiming)) != cudaSuccess ||
         (e = cudaMalloc(reinterpret_cast<void**>(&sm_mask), 8 * sizeof(uint32_t))) != cudaSuccess ||
         (e = cudaMemsetAsync(sm_mask, 0, 8 * sizeof(uint32_t), stream)) != cudaSuccess) {
       return cuda_status(e, "creating the copy stream");
@@ -340,6 +346,22 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
   while (pending.size() >= kMaxPending) {  // back-pressure
     cudaEventSynchronize(pending.front().ev);
     if (Status s = retire(); !s.ok()) return s;
+  }
+
+  if (o.after_default_stream) {
+    // Work queued on the legacy default stream before this call runs first.
+    // An idle legacy stream (the common case) costs one query; a busy one an
+    // event recorded there that this stream waits for.
+    cudaError_t q = cudaStreamQuery(cudaStreamLegacy);
+    if (q != cudaSuccess) {
+      cudaGetLastError();
+      cudaError_t e = cudaEventRecord(legacy_ev, cudaStreamLegacy);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, legacy_ev, 0);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return cuda_status(e, "ordering after the legacy default stream");
+      }
+    }
   }
 
   const uint32_t budget = std::min(o.sm_budget, sm_count);

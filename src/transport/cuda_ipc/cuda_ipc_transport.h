@@ -178,6 +178,9 @@ class CudaIpcTransport final : public Transport {
   void cancel(Transfer& transfer) override;
   void release_revoked_regions() override;
   void progress(const Transfer& transfer) override;
+  // A poll is one cudaEventQuery per busy stream: a finished copy is seen
+  // within ~0.3 us of spinning instead of ~2.5 us.
+  uint32_t progress_spins() const override { return 8; }
 
  private:
   // One copy stream per (device, kind): the default one (SM kernel for small
