@@ -493,6 +493,53 @@ TEST_F(CudaIpc, FreedAndReallocatedBufferIsMappedAfresh) {
   write_read("pinned", "m", fresh, 4096, 1000, 33);
 }
 
+// Work queued on the legacy default stream (where PyTorch fills tensors)
+// before a call runs before the call's copies: a buffer filled there just
+// before a write is sent filled, and one zeroed there just before a read is
+// zeroed before the read lands, not after. Long memsets ahead keep the legacy
+// stream busy while the call is posted. One block (copy engine) and a
+// scattered batch (copy kernel), each both ways.
+TEST_F(CudaIpc, CopiesStartAfterWorkQueuedOnTheDefaultStream) {
+  constexpr size_t kBlock = 4096, kBatch = 16, kStride = 2 * kBlock;
+  RemoteDescriptor d = alloc("m", "malloc", 1u << 20);
+  void* busy = nullptr;
+  ASSERT_EQ(cudaMalloc(&busy, 256u << 20), cudaSuccess);
+  auto keep_default_stream_busy = [&] {
+    for (int i = 0; i < 8; ++i) ASSERT_EQ(cudaMemsetAsync(busy, i, 256u << 20, 0), cudaSuccess);
+  };
+  for (size_t batch : {size_t{1}, kBatch}) {
+    SCOPED_TRACE(std::to_string(batch) + " block(s)");
+    std::vector<LocalIov> l(batch);
+    std::vector<RemoteIov> r(batch);
+    for (size_t i = 0; i < batch; ++i) {
+      l[i] = {static_cast<uint8_t*>(gpu_) + i * kStride, kBlock};
+      r[i] = {&d, i * kBlock, kBlock};
+    }
+    // Write: the local blocks hold 0x11 until the default stream sets 0x5A.
+    ASSERT_EQ(cudaMemset(gpu_, 0x11, kStride * batch), cudaSuccess);
+    keep_default_stream_busy();
+    ASSERT_EQ(cudaMemsetAsync(gpu_, 0x5A, kStride * batch, 0), cudaSuccess);
+    Status s = engine_->write(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    std::vector<uint8_t> expect(kBlock * batch, 0x5A);
+    EXPECT_EQ(remote_sum("m", 0, expect.size()), gputest::fnv(expect.data(), expect.size()));
+    // Read: the remote blocks hold 0x5A; the default stream zeroes the local
+    // blocks first, so they must end up 0x5A.
+    keep_default_stream_busy();
+    ASSERT_EQ(cudaMemsetAsync(gpu_, 0, kStride * batch, 0), cudaSuccess);
+    s = engine_->read(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint8_t> back = get_local("gpu", kStride * batch);
+    for (size_t i = 0; i < batch; ++i) {
+      for (size_t k = 0; k < kBlock; ++k) {
+        ASSERT_EQ(back[i * kStride + k], 0x5A) << "block " << i << " byte " << k;
+      }
+    }
+  }
+  cudaFree(busy);
+}
+
 TEST_F(CudaIpc, NotificationArrivesAfterTheData) {
   RemoteDescriptor d = alloc("m", "malloc", 32u << 20);
   std::vector<uint8_t> image(32u << 20);
