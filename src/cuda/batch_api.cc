@@ -3,6 +3,7 @@
 // before 12.8 there is no batch API and we loop over cudaMemcpyAsync.
 #include "cuda/batch_api.h"
 
+#include <cstdlib>
 #include <string>
 
 #include "cuda/cuda_util.h"
@@ -37,9 +38,14 @@ Status memcpy_batch(void* const* dsts, const void* const* srcs, const size_t* si
                     bool use_batch_api, cudaStream_t stream) {
   if (count == 0) return Status::Ok();
 #if CUDART_VERSION >= 12080
-  // One block: cudaMemcpyAsync, which costs the host ~1.5 us less than a
+  // One block: cudaMemcpyAsync, which cost the host ~1.5 us less than a
   // batch of one (ferry-cuda-ipc-bench --trace, 2 x H100).
-  if (use_batch_api && count > 1) {
+  // FERRY_COPY_BATCH_OF_ONE=1 (measurement only): the batch call for it too.
+  static const bool batch_of_one = [] {
+    const char* v = std::getenv("FERRY_COPY_BATCH_OF_ONE");
+    return v != nullptr && *v == '1';
+  }();
+  if (use_batch_api && (count > 1 || batch_of_one)) {
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;

@@ -64,16 +64,26 @@ constexpr size_t kMaxPending = 1024;
 //   FERRY_GATHER_HOST_LOAD = cv | cs | pf256   how the kernel reads host memory
 //   FERRY_GATHER_CE_EVERY  = n                 every n-th kernel block to the copy engine
 //   FERRY_GATHER_SLICES    = first,growth,max  launch schedule of a large batch
+//   FERRY_COPY_AFTER_DEFAULT = blocking | query  how after_default_stream is
+//       kept: a blocking stream, or a query of the legacy stream per submission
 struct Knobs {
   cuda::GatherConfig gather;
   uint32_t ce_every = 0;
   uint32_t first_slice = kFirstSlice;
   uint32_t slice_growth = kSliceGrowth;
   uint32_t max_slice = kMaxSlice;
+  bool query_legacy = false;
 };
 
 Result<Knobs> read_knobs() {
   Knobs k;
+  if (const char* v = std::getenv("FERRY_COPY_AFTER_DEFAULT"); v != nullptr && *v != 0) {
+    const std::string s(v);
+    if (s != "blocking" && s != "query") {
+      return err::InvalidArgument("FERRY_COPY_AFTER_DEFAULT=" + s + ": expected blocking or query");
+    }
+    k.query_legacy = s == "query";
+  }
   if (const char* v = std::getenv("FERRY_GATHER_HOST_LOAD"); v != nullptr && *v != 0) {
     const std::string s(v);
     if (s == "cv") {
@@ -234,11 +244,12 @@ struct CopyStream::Impl {
     cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
     if (e != cudaSuccess) return cuda_status(e, "cudaDeviceGetAttribute(MultiProcessorCount)");
     sm_count = static_cast<uint32_t>(n);
-    // Non-blocking even with after_default_stream: a blocking stream paid
-    // ~2 us per submission for its implicit tie to the legacy stream, also
-    // when that stream was idle (ferry-cuda-ipc-bench --trace, 2 x H100);
-    // submit() waits for the legacy stream only when it has work queued.
-    if ((e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) != cudaSuccess ||
+    // after_default_stream: a blocking stream, tied to the legacy stream by
+    // the driver; or (FERRY_COPY_AFTER_DEFAULT=query) a non-blocking one and
+    // submit() asks the legacy stream whether it is busy.
+    const unsigned flags = opts.after_default_stream && !knobs.query_legacy ? cudaStreamDefault
+                                                                            : cudaStreamNonBlocking;
+    if ((e = cudaStreamCreateWithFlags(&stream, flags)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&ce_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming)) != cudaSuccess ||
@@ -348,10 +359,10 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
     if (Status s = retire(); !s.ok()) return s;
   }
 
-  if (o.after_default_stream) {
+  if (o.after_default_stream && knobs.query_legacy) {
     // Work queued on the legacy default stream before this call runs first.
-    // An idle legacy stream (the common case) costs one query; a busy one an
-    // event recorded there that this stream waits for.
+    // An idle legacy stream costs one query; a busy one an event recorded
+    // there that this stream waits for.
     cudaError_t q = cudaStreamQuery(cudaStreamLegacy);
     if (q != cudaSuccess) {
       cudaGetLastError();
