@@ -47,9 +47,9 @@ struct CopyOptions {
   bool use_batch_api = true;
   // Batches start only after work queued before them on the device's legacy
   // default stream (where a PyTorch program's tensors are produced unless it
-  // picks another stream). Work queued there later does not wait for them:
-  // wait for the batch's ticket first. Off: ordered with nothing else (the
-  // caller synchronises).
+  // picks another stream): the stream is a blocking one, so work queued there
+  // later also waits for them. Off: ordered with nothing else (the caller
+  // synchronises).
   bool after_default_stream = false;
 };
 
