@@ -43,6 +43,7 @@ GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& option
                  const std::string& thread_prefix)
     : pool_(std::move(pool)), opt_(options) {
   if (const char* v = env("TRACE"); v != nullptr && *v == '1') tracing_ = true;
+  if (const char* v = env("INLINE_ENGINE"); v != nullptr && *v == '0') inline_engine_ = false;
   const size_t n = completion_threads(env("COMPLETION_THREADS"));
   for (size_t i = 0; i < n; ++i) {
     callback_threads_.emplace_back([this, thread_prefix] {
@@ -139,12 +140,12 @@ std::unique_ptr<StagingSlot> GpuPath::slot_or_later(
   });
 }
 
-Result<CopyStream*> GpuPath::stream(int device, bool for_inline) {
+Result<CopyStream*> GpuPath::stream(int device, StreamUse use) {
   std::lock_guard lock(streams_mu_);
-  auto& s = streams_[{device, for_inline}];
+  auto& s = streams_[{device, use}];
   if (!s) {
     CopyOptions options;
-    options.sm_budget = opt_.sm_budget;
+    options.sm_budget = use == StreamUse::kInlineEngine ? 0 : opt_.sm_budget;
     // Diagnostic knobs (measurement only): FERRY_<USER>_GPU_KERNEL_MAX_BLOCK
     // (bytes) and FERRY_<USER>_GPU_BATCH_API (0: one cudaMemcpyAsync per
     // copy-engine piece instead of cudaMemcpyBatchAsync).
@@ -181,7 +182,9 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   if (bytes > opt_.inline_bytes) return false;
   Waiting w;
   w.queued = w.submit_begin = Clock::now();
-  auto s = stream(copies.front().device, true);
+  auto s =
+      stream(copies.front().device,
+             copies.size() == 1 && inline_engine_ ? StreamUse::kInlineEngine : StreamUse::kInline);
   if (!s.ok()) return false;  // the queued path reports it
   std::vector<CopyBlock> blocks;
   blocks.reserve(copies.size());

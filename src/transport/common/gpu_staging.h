@@ -99,10 +99,13 @@ class GpuPath {
  private:
   GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& options,
           const std::string& thread_prefix);
-  // The device's stream for queued copies, or (`for_inline`) the one for
-  // copies waited for by their caller, so that those never queue behind a
-  // large copy.
-  Result<CopyStream*> stream(int device, bool for_inline = false);
+  // Which of a device's streams: queued copies, or copies waited for by
+  // their caller (which so never queue behind a large copy). A lone inline
+  // copy goes to the copy engine: cudaMemcpyAsync takes any memory as it is,
+  // where the copy kernel first asks the driver what both pointers are and
+  // then pays a launch (~2-4 us more for one 4 KiB block, ferry-latency-floor).
+  enum class StreamUse : uint8_t { kQueued, kInline, kInlineEngine };
+  Result<CopyStream*> stream(int device, StreamUse use = StreamUse::kQueued);
   // The inline path of copy_then; false if the copies are not for it.
   bool copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done);
   // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
@@ -136,6 +139,9 @@ class GpuPath {
   // summarized on stderr when the path is destroyed (diagnostic).
   void trace(const Waiting& w, Clock::time_point seen, Clock::time_point returned);
   bool tracing_ = false;
+  // FERRY_<USER>_GPU_INLINE_ENGINE=0 (measurement only): a lone inline copy
+  // goes through the copy kernel too.
+  bool inline_engine_ = true;
   std::mutex trace_mu_;
   std::vector<std::array<float, 4>> trace_;
 
@@ -144,7 +150,7 @@ class GpuPath {
   std::unique_ptr<StagingPool> pool_;
   GpuPathOptions opt_;
   std::mutex streams_mu_;
-  std::map<std::pair<int, bool>, std::unique_ptr<CopyStream>> streams_;  // (device, inline) →
+  std::map<std::pair<int, StreamUse>, std::unique_ptr<CopyStream>> streams_;  // (device, use) →
 
   // One lock, a condition variable per kind of thread (a shared one, with
   // notify_all, woke all six threads for every frame).
