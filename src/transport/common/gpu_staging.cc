@@ -43,7 +43,7 @@ GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& option
                  const std::string& thread_prefix)
     : pool_(std::move(pool)), opt_(options) {
   if (const char* v = env("TRACE"); v != nullptr && *v == '1') tracing_ = true;
-  if (const char* v = env("INLINE_ENGINE"); v != nullptr && *v == '0') inline_engine_ = false;
+  if (const char* v = env("INLINE_ENGINE"); v != nullptr && *v == '1') inline_engine_ = true;
   const size_t n = completion_threads(env("COMPLETION_THREADS"));
   for (size_t i = 0; i < n; ++i) {
     callback_threads_.emplace_back([this, thread_prefix] {
@@ -146,6 +146,13 @@ Result<CopyStream*> GpuPath::stream(int device, StreamUse use) {
   if (!s) {
     CopyOptions options;
     options.sm_budget = use == StreamUse::kInlineEngine ? 0 : opt_.sm_budget;
+    // Staging copies start after work queued on the legacy default stream,
+    // as cuda_ipc's copies do: a tensor filled there (a PyTorch kernel, or a
+    // cudaMemcpy from pageable memory, which returns before its DMA lands)
+    // just before a write must be read filled. Without it a 1-byte
+    // GPU->GPU write sent the byte from before the test's cudaMemcpy once the
+    // copy engine took lone copies (they started within a microsecond).
+    options.after_default_stream = true;
     // Diagnostic knobs (measurement only): FERRY_<USER>_GPU_KERNEL_MAX_BLOCK
     // (bytes) and FERRY_<USER>_GPU_BATCH_API (0: one cudaMemcpyAsync per
     // copy-engine piece instead of cudaMemcpyBatchAsync).

@@ -100,10 +100,13 @@ class GpuPath {
   GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& options,
           const std::string& thread_prefix);
   // Which of a device's streams: queued copies, or copies waited for by
-  // their caller (which so never queue behind a large copy). A lone inline
-  // copy goes to the copy engine: cudaMemcpyAsync takes any memory as it is,
-  // where the copy kernel first asks the driver what both pointers are and
-  // then pays a launch (~2-4 us more for one 4 KiB block, ferry-latency-floor).
+  // their caller (which so never queue behind a large copy), or
+  // (kInlineEngine, FERRY_<USER>_GPU_INLINE_ENGINE=1) a lone inline copy on
+  // the copy engine: cudaMemcpyAsync takes any memory as it is, where the
+  // copy kernel first asks the driver what both pointers are and then pays a
+  // launch (~2-4 us more for one 4 KiB block, ferry-latency-floor). Off by
+  // default until it has run on a GPU with the streams ordered after the
+  // legacy default stream (docs/gpu.md).
   enum class StreamUse : uint8_t { kQueued, kInline, kInlineEngine };
   Result<CopyStream*> stream(int device, StreamUse use = StreamUse::kQueued);
   // The inline path of copy_then; false if the copies are not for it.
@@ -139,9 +142,9 @@ class GpuPath {
   // summarized on stderr when the path is destroyed (diagnostic).
   void trace(const Waiting& w, Clock::time_point seen, Clock::time_point returned);
   bool tracing_ = false;
-  // FERRY_<USER>_GPU_INLINE_ENGINE=0 (measurement only): a lone inline copy
-  // goes through the copy kernel too.
-  bool inline_engine_ = true;
+  // FERRY_<USER>_GPU_INLINE_ENGINE=1 (measurement only): a lone inline copy
+  // goes to the copy engine (StreamUse::kInlineEngine).
+  bool inline_engine_ = false;
   std::mutex trace_mu_;
   std::vector<std::array<float, 4>> trace_;
 
