@@ -257,6 +257,48 @@ TEST(CudaIpcWire, CopyResponseRoundTrip) {
   }
 }
 
+// Reserved fields travel as zeros and a set one is a protocol error: the
+// status head's u16 (HELLO_ACK, GRANT, COPY_RESP) and GRANT_REQ's padding
+// after the access byte.
+TEST(CudaIpcWire, ReservedBytesSetAreRefused) {
+  auto refused = [](auto decode, const Bytes& body) {
+    auto r = Decode1(body, decode);
+    return !r.ok() && r.status().code() == StatusCode::kProtocolError;
+  };
+  const Bytes ack = body_of(encode_hello_ack({Status::Ok(), 42}), Op::kHelloAck);
+  ASSERT_FALSE(refused(decode_hello_ack, ack));
+  Bytes b = ack;
+  b[2] = 1;  // u16 code | u16 reserved | u32 length | ...
+  EXPECT_TRUE(refused(decode_hello_ack, b));
+
+  Grant g;
+  g.request_id = 9;
+  g.status = err::NotFound("region 5");
+  const Bytes grant = body_of(encode_grant(g), Op::kGrant);
+  ASSERT_FALSE(refused(decode_grant, grant));
+  b = grant;
+  b[8 + 3] = 0x80;  // u64 request id | u16 code | u16 reserved
+  EXPECT_TRUE(refused(decode_grant, b));
+
+  const Bytes resp = body_of(encode_copy_response({77, Status::Ok()}), Op::kCopyResponse);
+  ASSERT_FALSE(refused(decode_copy_response, resp));
+  b = resp;
+  b[8 + 2] = 1;
+  EXPECT_TRUE(refused(decode_copy_response, b));
+
+  const Bytes req = body_of(encode_grant_request({5, 6, 0, 4096, 0xABCD, 3}), Op::kGrantRequest);
+  ASSERT_EQ(req.size(), kGrantRequestBytes);
+  auto back = Decode1(req, decode_grant_request);
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(back->access, 3);
+  EXPECT_EQ(back->key, 0xABCDu);
+  for (size_t at = 41; at < kGrantRequestBytes; ++at) {
+    b = req;
+    b[at] = 1;
+    EXPECT_TRUE(refused(decode_grant_request, b)) << "byte " << at;
+  }
+}
+
 TEST(CudaIpcWire, NewOpsHaveNamesAndLimits) {
   EXPECT_STREQ(op_name(Op::kPushExport), "PUSH_EXPORT");
   EXPECT_STREQ(op_name(Op::kCopyRequest), "COPY_REQ");

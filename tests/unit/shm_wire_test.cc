@@ -257,6 +257,14 @@ TEST(ShmWire, ResponseRoundTripAndLimits) {
   Bytes body = ok.body;
   body[8] = 200;
   EXPECT_FALSE(decode_response(body).ok());
+  // The reserved u16 after the code.
+  body = ok.body;
+  body[10] = 1;
+  auto reserved = decode_response(body);
+  ASSERT_FALSE(reserved.ok());
+  EXPECT_EQ(reserved.status().code(), StatusCode::kProtocolError);
+  EXPECT_NE(reserved.status().message().find("reserved"), std::string::npos)
+      << reserved.status().message();
 }
 
 TEST(ShmWire, HandshakeRoundTrips) {

@@ -27,6 +27,18 @@ void put_message(const Codec& codec, ByteWriter& w, const Status& s) {
   w.bytes(m.data(), m.size());
 }
 
+Status take_status_head(const Codec& codec, ByteReader& r, std::string_view what, uint16_t* code,
+                        uint32_t* length) {
+  *code = r.u16();
+  const uint16_t reserved = r.u16();
+  *length = r.u32();
+  if (r.ok() && reserved != 0) {
+    return err::ProtocolError(
+        fmt::format("{}{} has reserved bytes set ({:#06x})", codec.error_prefix, what, reserved));
+  }
+  return Status::Ok();
+}
+
 Status take_status(const Codec& codec, ByteReader& r, uint16_t code, uint32_t length,
                    std::string_view what, Status* out) {
   auto c = status_code(codec, code, what);

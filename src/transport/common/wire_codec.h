@@ -42,6 +42,11 @@ Result<StatusCode> status_code(const Codec& codec, uint32_t code, std::string_vi
 // format puts them, last.
 void put_status_head(const Codec& codec, ByteWriter& w, const Status& s);
 void put_message(const Codec& codec, ByteWriter& w, const Status& s);
+// Reads the head put_status_head wrote. A set reserved u16 is an error
+// ("<what> has reserved bytes set"); a short body is left to the caller's
+// check of `r` (the head is often followed by more fixed fields).
+Status take_status_head(const Codec& codec, ByteReader& r, std::string_view what, uint16_t* code,
+                        uint32_t* length);
 // Reads the message of a status whose code and length were read: exactly
 // `length` bytes must be left in the body.
 Status take_status(const Codec& codec, ByteReader& r, uint16_t code, uint32_t length,

@@ -188,8 +188,7 @@ Bytes encode_grant_request(const GrantRequest& q) {
   w.u64(q.adv_offset);
   w.u64(q.adv_length);
   w.u64(q.key);
-  w.u8(q.access);
-  for (int i = 0; i < 7; ++i) w.u8(0);
+  wire_codec::put_access_tail(w, q.access);
   return frame(Op::kGrantRequest, body);
 }
 
@@ -241,9 +240,11 @@ Result<Hello> decode_hello(ByteView body) {
 
 Result<HelloAck> decode_hello_ack(ByteView body) {
   ByteReader r(body);
-  const uint16_t code = r.u16();
-  r.u16();
-  const uint32_t length = r.u32();
+  uint16_t code = 0;
+  uint32_t length = 0;
+  if (Status s = wire_codec::take_status_head(kCodec, r, "HELLO_ACK", &code, &length); !s.ok()) {
+    return s;
+  }
   HelloAck a;
   a.engine_id = r.u64();
   if (!r.ok()) return err::ProtocolError("cuda_ipc: HELLO_ACK shorter than 16 bytes");
@@ -262,9 +263,9 @@ Result<GrantRequest> decode_grant_request(ByteView body) {
   q.adv_offset = r.u64();
   q.adv_length = r.u64();
   q.key = r.u64();
-  q.access = r.u8();
-  r.bytes(7);
+  const bool tail_clear = wire_codec::take_access_tail(r, &q.access);
   if (Status s = wire_codec::expect_end(kCodec, r, "GRANT_REQ"); !s.ok()) return s;
+  if (!tail_clear) return err::ProtocolError("cuda_ipc: GRANT_REQ has reserved bytes set");
   return q;
 }
 
@@ -272,9 +273,10 @@ Result<Grant> decode_grant(ByteView body) {
   ByteReader r(body);
   Grant g;
   g.request_id = r.u64();
-  const uint16_t code = r.u16();
-  r.u16();
-  const uint32_t length = r.u32();
+  uint16_t code = 0;
+  uint32_t length = 0;
+  if (Status s = wire_codec::take_status_head(kCodec, r, "GRANT", &code, &length); !s.ok())
+    return s;
   if (!r.ok()) return err::ProtocolError("cuda_ipc: GRANT shorter than 16 bytes");
   if (code == static_cast<uint16_t>(StatusCode::kOk)) {
     if (Status s = take_grant_body(r, "GRANT", &g); !s.ok()) return s;
@@ -420,9 +422,11 @@ Result<CopyResponse> decode_copy_response(ByteView body) {
   ByteReader r(body);
   CopyResponse a;
   a.request_id = r.u64();
-  const uint16_t code = r.u16();
-  r.u16();
-  const uint32_t length = r.u32();
+  uint16_t code = 0;
+  uint32_t length = 0;
+  if (Status s = wire_codec::take_status_head(kCodec, r, "COPY_RESP", &code, &length); !s.ok()) {
+    return s;
+  }
   if (!r.ok()) return err::ProtocolError("cuda_ipc: COPY_RESP shorter than 16 bytes");
   if (Status s = wire_codec::take_status(kCodec, r, code, length, "COPY_RESP", &a.status);
       !s.ok()) {

@@ -198,9 +198,11 @@ Result<Response> decode_response(ByteView body) {
   ByteReader r(body);
   Response resp;
   resp.id = r.u64();
-  const uint16_t code = r.u16();
-  (void)r.u16();
-  const uint32_t length = r.u32();
+  uint16_t code = 0;
+  uint32_t length = 0;
+  if (Status s = wire_codec::take_status_head(kCodec, r, "RESPONSE", &code, &length); !s.ok()) {
+    return s;
+  }
   if (!r.ok()) return err::ProtocolError(fmt::format("truncated RESPONSE ({} bytes)", body.size()));
   if (Status s = wire_codec::take_status(kCodec, r, code, length, "RESPONSE", &resp.status);
       !s.ok()) {
