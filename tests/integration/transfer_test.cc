@@ -255,6 +255,60 @@ class TransferTest : public ::testing::Test {
   PeerId pid_ = 0;
 };
 
+// engine.merge_iovs: iovs that continue each other on both sides reach the
+// transport as one segment, but only within one local region and one
+// descriptor. The batch below has runs that cross a boundary between two
+// local regions laid back to back, switch between two descriptors of the
+// same remote bytes, and continue locally but not remotely; every byte is
+// checked on the target after the write and locally after the read, with
+// merging on and off.
+TEST_F(TransferTest, AdjacentIovsMergeOnlyWithinOneRegionAndDescriptor) {
+  constexpr size_t kIov = 4096, kIovs = 64, kHalf = kIov * kIovs / 2;
+  for (const char* merge : {"true", "false"}) {
+    SCOPED_TRACE(std::string("engine.merge_iovs=") + merge);
+    Connect(1 << 20, {{"engine.merge_iovs", merge}});
+    // One buffer, registered as two regions that touch.
+    Buffer buf(2 * kHalf);
+    auto first = engine_->register_memory(buf.data(), kHalf);
+    auto second = engine_->register_memory(buf.data() + kHalf, kHalf);
+    ASSERT_TRUE(first.ok() && second.ok());
+    const RemoteDescriptor other = peer_->rw;  // same bytes, another descriptor object
+    std::vector<LocalIov> l(kIovs);
+    std::vector<RemoteIov> r(kIovs);
+    std::vector<uint64_t> remote_at(kIovs);
+    for (size_t i = 0; i < kIovs; ++i) {
+      // Iovs 40..47 are swapped in pairs remotely: adjacent locally only.
+      size_t slot = i;
+      if (i >= 40 && i < 48) slot = i ^ 1;
+      remote_at[i] = 8192 + slot * kIov;
+      l[i] = {buf.data() + i * kIov, kIov};
+      // From iov 48 on, every other iov names the second descriptor.
+      const RemoteDescriptor* d = (i >= 48 && i % 2 == 1) ? &other : &peer_->rw;
+      r[i] = {d, remote_at[i], kIov};
+    }
+    FillPattern(9100, 0, buf.data(), 2 * kHalf);
+    Status s = engine_->write(pid_, l, r, std::nullopt, 30s);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    for (size_t i = 0; i < kIovs; ++i) {
+      EXPECT_EQ(peer_->Checksum(remote_at[i], kIov), HashBytes(buf.data() + i * kIov, kIov))
+          << "iov " << i;
+    }
+    // The bytes around the written range are untouched.
+    EXPECT_EQ(peer_->Checksum(0, 8192), PatternHash(kSeed, 0, 8192));
+    EXPECT_EQ(peer_->Checksum(8192 + kIovs * kIov, 4096),
+              PatternHash(kSeed, 8192 + kIovs * kIov, 4096));
+    std::vector<uint8_t> sent(buf.data(), buf.data() + 2 * kHalf);
+    std::memset(buf.data(), 0x5C, 2 * kHalf);
+    s = engine_->read(pid_, l, r, 30s);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(0, std::memcmp(buf.data(), sent.data(), sent.size()));
+    ASSERT_TRUE(engine_->deregister_memory(first->id).ok());
+    ASSERT_TRUE(engine_->deregister_memory(second->id).ok());
+    engine_.reset();
+    peer_.reset();
+  }
+}
+
 TEST_F(TransferTest, ConnectCachesPeerAndHostPortWorks) {
   ASSERT_NO_FATAL_FAILURE(Connect(1 << 20));
   auto again = engine_->connect(ByteView(peer_->metadata));
