@@ -146,13 +146,6 @@ Result<CopyStream*> GpuPath::stream(int device, StreamUse use) {
   if (!s) {
     CopyOptions options;
     options.sm_budget = use == StreamUse::kInlineEngine ? 0 : opt_.sm_budget;
-    // Staging copies start after work queued on the legacy default stream,
-    // as cuda_ipc's copies do: a tensor filled there (a PyTorch kernel, or a
-    // cudaMemcpy from pageable memory, which returns before its DMA lands)
-    // just before a write must be read filled. Without it a 1-byte
-    // GPU->GPU write sent the byte from before the test's cudaMemcpy once the
-    // copy engine took lone copies (they started within a microsecond).
-    options.after_default_stream = true;
     // Diagnostic knobs (measurement only): FERRY_<USER>_GPU_KERNEL_MAX_BLOCK
     // (bytes) and FERRY_<USER>_GPU_BATCH_API (0: one cudaMemcpyAsync per
     // copy-engine piece instead of cudaMemcpyBatchAsync).

@@ -105,8 +105,8 @@ class GpuPath {
   // the copy engine: cudaMemcpyAsync takes any memory as it is, where the
   // copy kernel first asks the driver what both pointers are and then pays a
   // launch (~2-4 us more for one 4 KiB block, ferry-latency-floor). Off by
-  // default until it has run on a GPU with the streams ordered after the
-  // legacy default stream (docs/gpu.md).
+  // default: it read a buffer before the legacy default stream had filled it
+  // (docs/gpu.md, "A lone inline copy on the copy engine").
   enum class StreamUse : uint8_t { kQueued, kInline, kInlineEngine };
   Result<CopyStream*> stream(int device, StreamUse use = StreamUse::kQueued);
   // The inline path of copy_then; false if the copies are not for it.
