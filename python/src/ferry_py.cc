@@ -622,13 +622,20 @@ struct PyTransfer {
 // Blocking completion of a transfer posted by a synchronous call. Ctrl-C or the
 // timeout cancel it and return at once; the memory it used stays referenced
 // (EngineBox::orphans) until the engine reports its end.
+// `first`: the status after the first slice of the wait, already waited
+// (with the post, without the GIL).
 void wait_sync(EngineBox& box, const std::shared_ptr<ferry::Engine>& engp, ferry::TransferId tid,
-               std::optional<double> timeout, const char* op, size_t iovs, Holder& holder) {
+               std::optional<double> timeout, const WaitDeadline& deadline, ferry::Status first,
+               const char* op, size_t iovs, Holder& holder) {
   ferry::Engine& eng = *engp;
-  const WaitDeadline deadline(timeout);
-  for (;;) {
-    const milliseconds slice = deadline.next_slice();
-    ferry::Status st = without_gil([&] { return wait_slice(eng, tid, slice); });
+  for (bool waited = true;; waited = false) {
+    ferry::Status st;
+    if (waited) {
+      st = std::move(first);
+    } else {
+      const milliseconds slice = deadline.next_slice();
+      st = without_gil([&] { return wait_slice(eng, tid, slice); });
+    }
     if (st.code() != StatusCode::kInProgress) {
       check(st);
       return;
@@ -795,13 +802,21 @@ struct PyPeer {
     const uint64_t peer = id;
     t_binding_ns = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t_call_start).count());
+    // A blocking call posts and waits its first slice in one release of the
+    // GIL: each release and retake is a few hundred ns of a ~10 us write.
+    const WaitDeadline deadline(timeout);
+    const milliseconds first_slice = async_ ? milliseconds(0) : deadline.next_slice();
+    ferry::Status first(StatusCode::kInProgress, "");
     ferry::Result<ferry::TransferId> r = without_gil([&]() -> ferry::Result<ferry::TransferId> {
-      return op == Op::kWrite ? eng->write_async(peer, local, remote, note)
-                              : eng->read_async(peer, local, remote);
+      auto posted = op == Op::kWrite ? eng->write_async(peer, local, remote, note)
+                                     : eng->read_async(peer, local, remote);
+      if (!async_ && posted.ok()) first = wait_slice(*eng, *posted, first_slice);
+      return posted;
     });
     const ferry::TransferId tid = unwrap(std::move(r));
     if (!async_) {
-      wait_sync(*box, eng, tid, timeout, op_name(op), local.size(), holder);
+      wait_sync(*box, eng, tid, timeout, deadline, std::move(first), op_name(op), local.size(),
+                holder);
       return nb::none();
     }
     auto* t = new PyTransfer();
@@ -1024,12 +1039,13 @@ struct PyPeer {
                 " iovs: pass desc_index, one descriptor, or one per iov");
     const bool per_iov_desc = !di.present && nd == n && nd != 1;
 
-    // Build the iov arrays with the GIL released (columns are kept alive above).
+    // Build the iov arrays (columns are kept alive above); with the GIL
+    // released where that pays for its release and retake.
     enum Err { kNone, kLocalRange, kDescIndex };
     Err err = kNone;
     size_t bad = 0;
     uint64_t total = 0;
-    without_gil([&] {
+    auto build = [&] {
       s.local.resize(n);
       s.remote.resize(n);
       ferry::LocalIov* L = s.local.data();
@@ -1058,7 +1074,12 @@ struct PyPeer {
         total += len;
       }
       return 0;
-    });
+    };
+    if (n > 256) {
+      without_gil(build);
+    } else {
+      build();
+    }
     if (err == kLocalRange)
       raise(StatusCode::kOutOfRange,
             "iov " + std::to_string(bad) + ": local [" + std::to_string(lo.at(bad)) + ", +" +
