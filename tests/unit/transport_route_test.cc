@@ -123,7 +123,9 @@ TEST_F(TransportRoute, PeerTransportsSayWhy) {
     if (info.transport == "route_net") {
       EXPECT_EQ(info.carries, "host memory, peer GPU memory, local GPU with peer host memory");
     }
-    if (info.transport == "route_tcp") EXPECT_EQ(info.carries, "");
+    if (info.transport == "route_tcp") {
+      EXPECT_EQ(info.carries, "");
+    }
   }
 }
 
