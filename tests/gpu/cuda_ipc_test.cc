@@ -150,7 +150,9 @@ class CudaIpc : public ::testing::Test {
         ASSERT_EQ(back[i * stride + block], 0xA5) << "gap after block " << i << " was written";
       }
     }
-    if (gap == 0) ASSERT_EQ(back[stride * batch], 0xA5) << "byte after the last block written";
+    if (gap == 0) {
+      ASSERT_EQ(back[stride * batch], 0xA5) << "byte after the last block written";
+    }
   }
 
   std::string carrier(const std::string& route = "peer GPU memory") {
