@@ -380,6 +380,7 @@ class FabricTransport final : public Transport {
   // deferred_ for the progress thread, in order.
   std::mutex cq_mu_;
   std::deque<struct fi_cq_data_entry> deferred_;  // under cq_mu_
+  std::atomic<bool> deferred_pending_{false};     // deferred_ not empty; set under cq_mu_
   // wake() writes the eventfd only while the progress thread sleeps (or is
   // about to): work_gen_ tells it that something came after it looked.
   enum class Sleep : uint8_t { kAwake, kOnCq, kWaiterPolls };
