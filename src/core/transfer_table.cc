@@ -5,6 +5,13 @@
 namespace ferry {
 
 bool Transfer::complete(Status status) {
+  // Timeout means "the wait ran out; the transfer goes on" (Engine::wait,
+  // test). A transfer that *ended* because the peer did not answer in time
+  // (a key request, a send the peer never drained) ends PeerDisconnected,
+  // so a waiter never mistakes its end for a wait that ran out.
+  if (status.code() == StatusCode::kTimeout) {
+    status = Status(StatusCode::kPeerDisconnected, status.message());
+  }
   {
     std::lock_guard lock(mu_);
     if (finished_.load(std::memory_order_relaxed)) return false;
