@@ -4,6 +4,7 @@
 # process is on GPU 1 where there are two GPUs. Each line of VARIANTS is
 # "NAME VAR=VALUE ..." (FERRY_CUDA_IPC_* options); results in $OUT/options_NAME.txt
 # and a summary on stdout.
+# BENCH_ARGS: more arguments for the bench (e.g. --trace).
 #   BUILD=build-dev bench/cuda_ipc/options_run.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -25,7 +26,8 @@ while read -r name vars; do
   echo "== $name ($vars)"
   # shellcheck disable=SC2086
   env $vars FERRY_TEST_PEER_DEVICE=$dev timeout 120 "$B/tests/gpu/ferry-cuda-ipc-bench" --no-tcp \
-    --iters ${ITERS:-1000} > "$O/options_$name.txt" 2>&1 || echo "   rc=$? (see options_$name.txt)"
+    --iters ${ITERS:-1000} ${BENCH_ARGS:-} > "$O/options_$name.txt" 2>&1 ||
+    echo "   rc=$? (see options_$name.txt)"
   grep -E "^(4096|65536|1048576) B|x 1179648|x 4 KiB|16 MiB|MISMATCH" "$O/options_$name.txt" |
     awk '{printf "   %s\n", $0}'
 done <<< "$VARIANTS"

@@ -833,11 +833,12 @@ Status CudaIpcTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
                               std::vector<Segment>& segments, bool write) {
   if (trace_log_) {
     t->trace = std::make_unique<StageTrace>(trace_log_);
-    bool local_gpu = false;
-    for (const Segment& s : segments) local_gpu = local_gpu || s.local_device >= 0;
-    t->trace->set_memory(local_gpu,
-                         std::any_of(segments.begin(), segments.end(),
-                                     [](const auto& s) { return s.remote_device >= 0; }));
+    bool local_gpu = false, remote_gpu = false;
+    for (const Segment& s : segments) {
+      local_gpu = local_gpu || s.local_device >= 0;
+      remote_gpu = remote_gpu || s.remote_device >= 0;
+    }
+    t->trace->set_memory(local_gpu, remote_gpu);
     t->trace->mark(TraceStage::kPosted);
   }
   auto c = live_connection(peer);

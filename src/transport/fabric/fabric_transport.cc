@@ -1268,13 +1268,9 @@ void FabricTransport::on_slot(const std::shared_ptr<Job>& job, size_t g,
       std::lock_guard lock(post_mu_);
       --job->copies;
       if (!st.ok()) {
-        job->stopped = true;
-        if (job->error.ok()) {
-          job->error = Status(
-              st.code(), fmt::format("fabric: staging {} bytes of GPU memory "
-                                     "for the write to {}: {}",
-                                     job->groups[g].bytes, describe(*job->peer), st.message()));
-        }
+        stop_staged_job_locked(*job, st,
+                               fmt::format("staging {} bytes of GPU memory for the write to {}",
+                                           job->groups[g].bytes, describe(*job->peer)));
       } else {
         job->groups[g].ready = true;
         pump_locked();
@@ -1324,13 +1320,9 @@ void FabricTransport::group_done_locked(const std::shared_ptr<Job>& job, size_t 
         --job->copies;
         job->groups[g].slot.reset();
         if (!st.ok()) {
-          job->stopped = true;
-          if (job->error.ok()) {
-            job->error = Status(
-                st.code(), fmt::format("fabric: copying {} bytes read from {} "
-                                       "into GPU memory: {}",
-                                       job->groups[g].bytes, describe(*job->peer), st.message()));
-          }
+          stop_staged_job_locked(*job, st,
+                                 fmt::format("copying {} bytes read from {} into GPU memory",
+                                             job->groups[g].bytes, describe(*job->peer)));
         }
         maybe_finish_locked(job);
         job_cv_.notify_all();
@@ -1505,6 +1497,13 @@ void FabricTransport::pump_locked() {
     }
   }
   backlog_.store(!send_queue_.empty() || !queue_.empty(), std::memory_order_relaxed);
+}
+
+void FabricTransport::stop_staged_job_locked(Job& job, const Status& s, const std::string& what) {
+  job.stopped = true;
+  if (job.error.ok()) {
+    job.error = Status(s.code(), fmt::format("fabric: {}: {}", what, s.message()));
+  }
 }
 
 void FabricTransport::fail_job_locked(const std::shared_ptr<Job>& job, const Status& s) {

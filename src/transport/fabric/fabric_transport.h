@@ -280,6 +280,9 @@ class FabricTransport final : public Transport {
   Status send_locked(const std::shared_ptr<Peer>& p, fi_addr_t addr, Bytes bytes,
                      std::shared_ptr<Job> job);
   void fail_job_locked(const std::shared_ptr<Job>& job, const Status& s);
+  // A staging copy of `job` failed: nothing more of it is posted, and the
+  // first error is what the transfer reports (`what` says which copy).
+  void stop_staged_job_locked(Job& job, const Status& s, const std::string& what);
   // A REVOKE from p: jobs with segments on `region` not yet posted stop.
   void stop_jobs_on_revoked_locked(const std::shared_ptr<Peer>& p, RegionId region);
   Status revoked_error(const Peer& p, RegionId region) const;
