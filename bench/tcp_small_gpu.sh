@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Small GPU transfers over tcp (docs/gpu.md), before/after in one run on a GPU
-# machine: the same binary with the inline staging copies off
-# (FERRY_TCP_GPU_INLINE_BYTES=0, the GPU path as it was) and on (the default),
-# alternating. The target is a second process, on GPU 1 where there are two.
+# Small GPU transfers over tcp (docs/gpu.md), modes compared in one run on a
+# GPU machine, alternating (MODES, default "kernel on"):
+#   off     inline staging copies off (FERRY_TCP_GPU_INLINE_BYTES=0: every
+#           copy through the submit and watcher threads, the GPU path before them)
+#   kernel  inline copies, a lone one on the copy kernel (FERRY_TCP_GPU_INLINE_ENGINE=0)
+#   on      the defaults (a lone inline copy on the copy engine)
+# The target is a second process, on GPU 1 where there are two.
 #   1. the stage trace of blocking and 8-in-flight transfers, 4/64/256 KiB,
 #      every memory pair: p50 per stage, host memory beside GPU memory;
 #   2. throughput with 8 in flight, 4/64/256 KiB (GPU / host ratio);
 #   3. large transfers (16 x 1 MiB, 16 MiB): not slower.
-# Output: $OUT/tcp_small_{trace,tput}_{off,on}*.txt and a summary on stdout.
-#   BUILD=build-dev bench/tcp_small_gpu.sh
+# Output: $OUT/tcp_small_{trace,tput}_MODE.txt and a summary on stdout.
+#   BUILD=build-dev [MODES="off on"] [REPS=2] bench/tcp_small_gpu.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 O=${OUT:-/tmp/out}
@@ -19,10 +22,16 @@ export LD_LIBRARY_PATH=$PWD/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY
 dev=0
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && dev=1
 export FERRY_TEST_PEER_DEVICE=$dev
-# off: the GPU path as before inline copies; on: the default threshold.
-mode() { [ "$1" = off ] && echo "FERRY_TCP_GPU_INLINE_BYTES=0" || echo "FERRY_TCP_GPU_INLINE_BYTES=${INLINE_BYTES:-64KiB}"; }
-echo "target process on GPU $dev; off = inline staging copies off (as before), on = default"
-for m in off on; do
+MODES=${MODES:-kernel on}
+mode() {
+  case $1 in
+    off) echo "FERRY_TCP_GPU_INLINE_BYTES=0" ;;
+    kernel) echo "FERRY_TCP_GPU_INLINE_ENGINE=0" ;;
+    *) echo "FERRY_TCP_GPU_INLINE_ENGINE=1" ;;
+  esac
+}
+echo "target process on GPU $dev; modes: $MODES"
+for m in $MODES; do
   # shellcheck disable=SC2046
   env $(mode $m) timeout 150 "$BIN" --trace --two-process --json --iters ${TRACE_ITERS:-300} \
     > "$O/tcp_small_trace_$m.txt" 2>&1 || echo "trace $m rc=$?"
@@ -35,11 +44,11 @@ for line in sys.stdin:
     print("  %-3s %-5s %4s->%-4s %7d B depth %d: p50 %7.1f  p90 %7.1f"
           % (os.environ["M"], r["op"], r["local"], r["remote"], r["block_size"], r["depth"], t["p50"], t["p90"]))'
 echo "blocking and 8 in flight, p50 us (posted -> completed):"
-for m in off on; do
+for m in $MODES; do
   grep '^{' "$O/tcp_small_trace_$m.txt" | M=$m python3 -c "$SUMMARY"
 done
-for rep in 1 2; do
-  for m in off on; do
+for rep in $(seq 1 "${REPS:-2}"); do
+  for m in $MODES; do
     for s in 4096 65536 262144; do
       echo "=== $m rep $rep: --block $s --batch 1 --depth 8" >> "$O/tcp_small_tput_$m.txt"
       # shellcheck disable=SC2046
@@ -53,4 +62,4 @@ for rep in 1 2; do
     done
   done
 done
-for m in off on; do echo "--- throughput, inline $m"; grep -E "^===|^(write|read)" "$O/tcp_small_tput_$m.txt"; done
+for m in $MODES; do echo "--- throughput, mode $m"; grep -E "^===|^(write|read)" "$O/tcp_small_tput_$m.txt"; done

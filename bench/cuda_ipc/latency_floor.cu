@@ -124,8 +124,9 @@ int main(int argc, char** argv) {
   cudaStream_t blocking, nonblocking;
   CHECK(cudaStreamCreateWithFlags(&blocking, cudaStreamDefault));
   CHECK(cudaStreamCreateWithFlags(&nonblocking, cudaStreamNonBlocking));
-  cudaEvent_t ev;
+  cudaEvent_t ev, legacy_ev;
   CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  CHECK(cudaEventCreateWithFlags(&legacy_ev, cudaEventDisableTiming));
 
   int can_write_value = 0;
   cuDeviceGetAttribute(&can_write_value, CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1, 0);
@@ -163,6 +164,22 @@ int main(int argc, char** argv) {
     row(r, "memcpyAsync + event, spin on eventQuery (blocking)", measure(iters, [&](uint64_t) {
           CHECK(cudaMemcpyAsync(r.to, r.from, bytes, cudaMemcpyDefault, blocking));
           CHECK(cudaEventRecord(ev, blocking));
+          spin_event(ev);
+        }));
+    // Two ways to order the copy after the legacy default stream without a
+    // blocking stream: an event recorded there per copy, or a query first.
+    row(r, "legacy event + streamWaitEvent + memcpyAsync + event spin",
+        measure(iters, [&](uint64_t) {
+          CHECK(cudaEventRecord(legacy_ev, cudaStreamLegacy));
+          CHECK(cudaStreamWaitEvent(nonblocking, legacy_ev, 0));
+          CHECK(cudaMemcpyAsync(r.to, r.from, bytes, cudaMemcpyDefault, nonblocking));
+          CHECK(cudaEventRecord(ev, nonblocking));
+          spin_event(ev);
+        }));
+    row(r, "legacy streamQuery + memcpyAsync + event spin", measure(iters, [&](uint64_t) {
+          CHECK(cudaStreamQuery(cudaStreamLegacy));
+          CHECK(cudaMemcpyAsync(r.to, r.from, bytes, cudaMemcpyDefault, nonblocking));
+          CHECK(cudaEventRecord(ev, nonblocking));
           spin_event(ev);
         }));
     row(r, "memcpyAsync + streamQuery spin (non-blocking)", measure(iters, [&](uint64_t) {
@@ -231,13 +248,18 @@ int main(int argc, char** argv) {
   };
   std::printf(
       "# host cost per call (us): memcpyAsync %.2f, kernel launch %.2f, eventRecord %.2f, "
-      "eventQuery (done) %.2f\n",
+      "eventQuery (done) %.2f, legacy eventRecord + streamWaitEvent %.2f, legacy streamQuery "
+      "%.2f\n",
       host_us([&] { cudaMemcpyAsync(r0.to, r0.from, bytes, cudaMemcpyDefault, nonblocking); }),
       host_us([&] {
         copy_kernel<<<1, 256, 0, nonblocking>>>(static_cast<uint4*>(r0.to),
                                                 static_cast<const uint4*>(r0.from), n16);
       }),
       host_us([&] { cudaEventRecord(ev, nonblocking); }),
-      host_us([&] { (void)cudaEventQuery(ev); }));
+      host_us([&] { (void)cudaEventQuery(ev); }), host_us([&] {
+        cudaEventRecord(legacy_ev, cudaStreamLegacy);
+        cudaStreamWaitEvent(nonblocking, legacy_ev, 0);
+      }),
+      host_us([&] { (void)cudaStreamQuery(cudaStreamLegacy); }));
   return 0;
 }

@@ -64,25 +64,33 @@ constexpr size_t kMaxPending = 1024;
 //   FERRY_GATHER_HOST_LOAD = cv | cs | pf256   how the kernel reads host memory
 //   FERRY_GATHER_CE_EVERY  = n                 every n-th kernel block to the copy engine
 //   FERRY_GATHER_SLICES    = first,growth,max  launch schedule of a large batch
-//   FERRY_COPY_AFTER_DEFAULT = blocking | query  how after_default_stream is
-//       kept: a blocking stream, or a query of the legacy stream per submission
+//   FERRY_COPY_AFTER_DEFAULT = blocking | query | event  how after_default_stream
+//       is kept: a blocking stream; a query of the legacy stream per submission
+//       (an event only when it is busy); an event recorded there per submission
+enum class AfterDefault : uint8_t { kBlocking, kQuery, kEvent };
 struct Knobs {
   cuda::GatherConfig gather;
   uint32_t ce_every = 0;
   uint32_t first_slice = kFirstSlice;
   uint32_t slice_growth = kSliceGrowth;
   uint32_t max_slice = kMaxSlice;
-  bool query_legacy = false;
+  AfterDefault after_default = AfterDefault::kBlocking;
 };
 
 Result<Knobs> read_knobs() {
   Knobs k;
   if (const char* v = std::getenv("FERRY_COPY_AFTER_DEFAULT"); v != nullptr && *v != 0) {
     const std::string s(v);
-    if (s != "blocking" && s != "query") {
-      return err::InvalidArgument("FERRY_COPY_AFTER_DEFAULT=" + s + ": expected blocking or query");
+    if (s == "blocking") {
+      k.after_default = AfterDefault::kBlocking;
+    } else if (s == "query") {
+      k.after_default = AfterDefault::kQuery;
+    } else if (s == "event") {
+      k.after_default = AfterDefault::kEvent;
+    } else {
+      return err::InvalidArgument("FERRY_COPY_AFTER_DEFAULT=" + s +
+                                  ": expected blocking, query or event");
     }
-    k.query_legacy = s == "query";
   }
   if (const char* v = std::getenv("FERRY_GATHER_HOST_LOAD"); v != nullptr && *v != 0) {
     const std::string s(v);
@@ -245,10 +253,12 @@ struct CopyStream::Impl {
     if (e != cudaSuccess) return cuda_status(e, "cudaDeviceGetAttribute(MultiProcessorCount)");
     sm_count = static_cast<uint32_t>(n);
     // after_default_stream: a blocking stream, tied to the legacy stream by
-    // the driver; or (FERRY_COPY_AFTER_DEFAULT=query) a non-blocking one and
-    // submit() asks the legacy stream whether it is busy.
-    const unsigned flags = opts.after_default_stream && !knobs.query_legacy ? cudaStreamDefault
-                                                                            : cudaStreamNonBlocking;
+    // the driver; or (FERRY_COPY_AFTER_DEFAULT=query|event) a non-blocking one
+    // that submit() orders after the legacy stream itself.
+    const unsigned flags =
+        opts.after_default_stream && knobs.after_default == AfterDefault::kBlocking
+            ? cudaStreamDefault
+            : cudaStreamNonBlocking;
     if ((e = cudaStreamCreateWithFlags(&stream, flags)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&ce_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming)) != cudaSuccess ||
@@ -359,12 +369,13 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
     if (Status s = retire(); !s.ok()) return s;
   }
 
-  if (o.after_default_stream && knobs.query_legacy) {
-    // Work queued on the legacy default stream before this call runs first.
-    // An idle legacy stream costs one query; a busy one an event recorded
-    // there that this stream waits for.
-    cudaError_t q = cudaStreamQuery(cudaStreamLegacy);
-    if (q != cudaSuccess) {
+  if (o.after_default_stream && knobs.after_default != AfterDefault::kBlocking) {
+    // Work queued on the legacy default stream before this call runs first:
+    // an event recorded there that this stream waits for -- with `query`,
+    // only when the legacy stream is busy (an idle one costs one query).
+    const bool busy = knobs.after_default == AfterDefault::kEvent ||
+                      cudaStreamQuery(cudaStreamLegacy) != cudaSuccess;
+    if (busy) {
       cudaGetLastError();
       cudaError_t e = cudaEventRecord(legacy_ev, cudaStreamLegacy);
       if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, legacy_ev, 0);

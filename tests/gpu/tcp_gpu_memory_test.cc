@@ -208,6 +208,39 @@ TEST_F(TcpGpuMemory, AsyncWritesInFlightTogether) {
             "sum " + std::to_string(gputest::fnv(image.data(), image.size())));
 }
 
+// A write's GPU source is staged only after work queued on the legacy
+// default stream (where PyTorch fills tensors) before the call: the buffer is
+// set to 0x5A there, behind long memsets, just before each write. One 4 KiB
+// block (the inline copy engine), 16 scattered ones (the inline kernel) and
+// 3 MiB (the queued path).
+TEST_F(TcpGpuMemory, WriteSourceIsReadAfterWorkQueuedOnTheDefaultStream) {
+  void* busy = nullptr;
+  ASSERT_EQ(cudaMalloc(&busy, 256u << 20), cudaSuccess);
+  const std::vector<std::pair<uint64_t, size_t>> shapes = {{4096, 1}, {4096, 16}, {1u << 20, 3}};
+  uint8_t fill = 0x5A;
+  for (auto [block, batch] : shapes) {
+    SCOPED_TRACE(std::to_string(block) + " B x " + std::to_string(batch));
+    const uint64_t stride = 2 * block;
+    std::vector<LocalIov> l(batch);
+    std::vector<RemoteIov> r(batch);
+    for (size_t i = 0; i < batch; ++i) {
+      l[i] = {static_cast<uint8_t*>(local_gpu_) + i * stride, block};
+      r[i] = {&remote_gpu_, i * block, block};
+    }
+    ASSERT_EQ(cudaMemset(local_gpu_, 0x11, stride * batch), cudaSuccess);
+    for (int i = 0; i < 8; ++i) ASSERT_EQ(cudaMemsetAsync(busy, i, 256u << 20, 0), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(local_gpu_, ++fill, stride * batch, 0), cudaSuccess);
+    Status s = engine_->write(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    std::vector<uint8_t> expect(block * batch, fill);
+    EXPECT_EQ(target_.ask("sum gpu 0 " + std::to_string(expect.size())),
+              "sum " + std::to_string(gputest::fnv(expect.data(), expect.size())))
+        << "the write sent the buffer before the default stream had filled it";
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(busy);
+}
+
 }  // namespace
 }  // namespace ferry
 

@@ -43,7 +43,7 @@ GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& option
                  const std::string& thread_prefix)
     : pool_(std::move(pool)), opt_(options) {
   if (const char* v = env("TRACE"); v != nullptr && *v == '1') tracing_ = true;
-  if (const char* v = env("INLINE_ENGINE"); v != nullptr && *v == '1') inline_engine_ = true;
+  if (const char* v = env("INLINE_ENGINE"); v != nullptr && *v == '0') inline_engine_ = false;
   const size_t n = completion_threads(env("COMPLETION_THREADS"));
   for (size_t i = 0; i < n; ++i) {
     callback_threads_.emplace_back([this, thread_prefix] {
@@ -140,12 +140,13 @@ std::unique_ptr<StagingSlot> GpuPath::slot_or_later(
   });
 }
 
-Result<CopyStream*> GpuPath::stream(int device, StreamUse use) {
+Result<CopyStream*> GpuPath::stream(int device, StreamUse use, bool after_default_stream) {
   std::lock_guard lock(streams_mu_);
-  auto& s = streams_[{device, use}];
+  auto& s = streams_[{device, use, after_default_stream}];
   if (!s) {
     CopyOptions options;
     options.sm_budget = use == StreamUse::kInlineEngine ? 0 : opt_.sm_budget;
+    options.after_default_stream = after_default_stream;
     // Diagnostic knobs (measurement only): FERRY_<USER>_GPU_KERNEL_MAX_BLOCK
     // (bytes) and FERRY_<USER>_GPU_BATCH_API (0: one cudaMemcpyAsync per
     // copy-engine piece instead of cudaMemcpyBatchAsync).
@@ -172,7 +173,8 @@ bool GpuPath::take(std::condition_variable& cv, std::deque<T>& queue, const bool
   return true;
 }
 
-bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done) {
+bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
+                          bool after_default_stream) {
   if (copies.empty()) return false;
   uint64_t bytes = 0;
   for (const auto& c : copies) {
@@ -184,7 +186,8 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   w.queued = w.submit_begin = Clock::now();
   auto s =
       stream(copies.front().device,
-             copies.size() == 1 && inline_engine_ ? StreamUse::kInlineEngine : StreamUse::kInline);
+             copies.size() == 1 && inline_engine_ ? StreamUse::kInlineEngine : StreamUse::kInline,
+             after_default_stream);
   if (!s.ok()) return false;  // the queued path reports it
   std::vector<CopyBlock> blocks;
   blocks.reserve(copies.size());
@@ -220,11 +223,13 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   return true;
 }
 
-void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done) {
-  if (copy_inline(copies, done)) return;
+void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
+                        bool after_default_stream) {
+  if (copy_inline(copies, done, after_default_stream)) return;
   {
     std::lock_guard lock(mu_);
-    submits_.push_back(Submit{std::move(copies), std::move(done), Clock::now()});
+    submits_.push_back(
+        Submit{std::move(copies), std::move(done), Clock::now(), after_default_stream});
   }
   submit_cv_.notify_one();
 }
@@ -241,7 +246,7 @@ void GpuPath::submit_loop() {
     std::map<int, std::vector<CopyBlock>> by_device;
     for (const auto& c : job.copies) by_device[c.device].push_back(c.block);
     for (auto& [device, blocks] : by_device) {
-      auto s = stream(device);
+      auto s = stream(device, StreamUse::kQueued, job.after_default_stream);
       if (!s.ok()) {
         w.submit_error = s.status();
         break;

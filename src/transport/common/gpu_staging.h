@@ -38,6 +38,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -92,7 +93,13 @@ class GpuPath {
   // thread before copy_then returns (unless the wait outlasts `inline_wait`):
   // callers hold no lock that `done` takes. The copies' memory must stay
   // valid until `done`.
-  void copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done);
+  // `after_default_stream`: the copies start only after work queued on their
+  // device's legacy default stream before this call -- for the caller's own
+  // memory that the copies read (a write's source), which a PyTorch kernel
+  // may still be filling. Never for a target's: a target kernel waiting on
+  // the data would hold its own copy back.
+  void copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
+                 bool after_default_stream = false);
   // Runs `job` on the job thread, in submission order.
   void run(std::function<void()> job);
 
@@ -101,16 +108,18 @@ class GpuPath {
           const std::string& thread_prefix);
   // Which of a device's streams: queued copies, or copies waited for by
   // their caller (which so never queue behind a large copy), or
-  // (kInlineEngine, FERRY_<USER>_GPU_INLINE_ENGINE=1) a lone inline copy on
-  // the copy engine: cudaMemcpyAsync takes any memory as it is, where the
-  // copy kernel first asks the driver what both pointers are and then pays a
-  // launch (~2-4 us more for one 4 KiB block, ferry-latency-floor). Off by
-  // default: it read a buffer before the legacy default stream had filled it
-  // (docs/gpu.md, "A lone inline copy on the copy engine").
+  // (kInlineEngine) a lone inline copy on the copy engine: cudaMemcpyAsync
+  // takes any memory as it is, where the copy kernel first asks the driver
+  // what both pointers are and then pays a launch (~2-4 us more for one
+  // 4 KiB block, ferry-latency-floor). Each use has a twin ordered after the
+  // legacy default stream: without it, the copy engine read a write's source
+  // before the default stream had filled it (docs/gpu.md, "A lone inline
+  // copy on the copy engine").
   enum class StreamUse : uint8_t { kQueued, kInline, kInlineEngine };
-  Result<CopyStream*> stream(int device, StreamUse use = StreamUse::kQueued);
+  Result<CopyStream*> stream(int device, StreamUse use, bool after_default_stream);
   // The inline path of copy_then; false if the copies are not for it.
-  bool copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done);
+  bool copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
+                   bool after_default_stream);
   // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
   // `out`; false once `stop` is set and the queue is drained.
   template <typename T>
@@ -125,6 +134,7 @@ class GpuPath {
     std::vector<DeviceCopy> copies;
     std::function<void(Status)> done;
     Clock::time_point queued;
+    bool after_default_stream = false;
   };
   struct Waiting {
     std::vector<std::pair<CopyStream*, uint64_t>> tickets;
@@ -142,9 +152,9 @@ class GpuPath {
   // summarized on stderr when the path is destroyed (diagnostic).
   void trace(const Waiting& w, Clock::time_point seen, Clock::time_point returned);
   bool tracing_ = false;
-  // FERRY_<USER>_GPU_INLINE_ENGINE=1 (measurement only): a lone inline copy
-  // goes to the copy engine (StreamUse::kInlineEngine).
-  bool inline_engine_ = false;
+  // A lone inline copy goes to the copy engine (StreamUse::kInlineEngine);
+  // FERRY_<USER>_GPU_INLINE_ENGINE=0 (measurement only) sends it to the kernel.
+  bool inline_engine_ = true;
   std::mutex trace_mu_;
   std::vector<std::array<float, 4>> trace_;
 
@@ -153,7 +163,8 @@ class GpuPath {
   std::unique_ptr<StagingPool> pool_;
   GpuPathOptions opt_;
   std::mutex streams_mu_;
-  std::map<std::pair<int, StreamUse>, std::unique_ptr<CopyStream>> streams_;  // (device, use) →
+  // (device, use, after the default stream) →
+  std::map<std::tuple<int, StreamUse, bool>, std::unique_ptr<CopyStream>> streams_;
 
   // One lock, a condition variable per kind of thread (a shared one, with
   // notify_all, woke all six threads for every frame).

@@ -1284,7 +1284,8 @@ void FabricTransport::on_slot(const std::shared_ptr<Job>& job, size_t g,
     done(err::Cancelled("fabric: transport shut down"));
     return;
   }
-  path->copy_then(std::move(copies), std::move(done));
+  // The write's source: after what the caller queued on the default stream.
+  path->copy_then(std::move(copies), std::move(done), /*after_default_stream=*/true);
 }
 
 void FabricTransport::group_done_locked(const std::shared_ptr<Job>& job, size_t g,

@@ -275,17 +275,22 @@ void TcpTransport::post_staged(
       (*frame)->slot = std::move(slot);
       transfer->tx_begin();  // the copy reads the caller's GPU memory
       if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopySubmitted);
-      path->copy_then(std::move(copies), [this, transfer, stream, frame](Status st) {
-        if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopyDone);
-        transfer->tx_end();
-        if (!st.ok()) {
-          fail_transfer(*transfer, st);
-        } else if (!enqueue_on(*stream, std::move(*frame))) {
-          fail_transfer(*transfer,
-                        err::PeerDisconnected(fmt::format("connection to peer {} is closed",
-                                                          hex_id(transfer->peer()))));
-        }
-      });
+      // The write's source: after what the caller queued on the default
+      // stream (a PyTorch kernel may still be filling it).
+      path->copy_then(
+          std::move(copies),
+          [this, transfer, stream, frame](Status st) {
+            if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopyDone);
+            transfer->tx_end();
+            if (!st.ok()) {
+              fail_transfer(*transfer, st);
+            } else if (!enqueue_on(*stream, std::move(*frame))) {
+              fail_transfer(*transfer,
+                            err::PeerDisconnected(fmt::format("connection to peer {} is closed",
+                                                              hex_id(transfer->peer()))));
+            }
+          },
+          /*after_default_stream=*/true);
     };
     if (auto slot = path->slot_or_later(stage)) stage(std::move(slot));
   }
