@@ -141,11 +141,12 @@ int main(int argc, char** argv) {
     const char* name;
     void* to;
     const void* from;
+    cudaMemcpyKind kind;
   };
   const std::string peer_name = peer != 0 ? "GPU0->GPU1" : "GPU0->GPU0";
-  const Route routes[] = {{peer_name.c_str(), dst, src},
-                          {"GPU0->pinned host", host_dev, src},
-                          {"pinned host->GPU0", src, host_dev}};
+  const Route routes[] = {{peer_name.c_str(), dst, src, cudaMemcpyDeviceToDevice},
+                          {"GPU0->pinned host", host_dev, src, cudaMemcpyDeviceToHost},
+                          {"pinned host->GPU0", src, host_dev, cudaMemcpyHostToDevice}};
   const uint64_t n16 = bytes / 16;
   std::printf("%-20s %-52s %8s %8s\n", "route", "variant", "p50 us", "p99 us");
   auto row = [&](const Route& r, const char* variant, Stats s) {
@@ -179,6 +180,23 @@ int main(int argc, char** argv) {
     row(r, "legacy streamQuery + memcpyAsync + event spin", measure(iters, [&](uint64_t) {
           CHECK(cudaStreamQuery(cudaStreamLegacy));
           CHECK(cudaMemcpyAsync(r.to, r.from, bytes, cudaMemcpyDefault, nonblocking));
+          CHECK(cudaEventRecord(ev, nonblocking));
+          spin_event(ev);
+        }));
+    // Other entry points for the same copy: the kind named instead of
+    // inferred (cudaMemcpyDefault looks both pointers up), and the driver's.
+    row(r, "memcpyAsync(kind named) + event spin (non-blocking)", measure(iters, [&](uint64_t) {
+          CHECK(cudaMemcpyAsync(r.to, r.from, bytes, r.kind, nonblocking));
+          CHECK(cudaEventRecord(ev, nonblocking));
+          spin_event(ev);
+        }));
+    row(r, "cuMemcpyAsync (driver) + event spin (non-blocking)", measure(iters, [&](uint64_t) {
+          if (cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(r.to),
+                            reinterpret_cast<CUdeviceptr>(r.from), bytes,
+                            reinterpret_cast<CUstream>(nonblocking)) != CUDA_SUCCESS) {
+            std::fprintf(stderr, "cuMemcpyAsync failed\n");
+            std::exit(1);
+          }
           CHECK(cudaEventRecord(ev, nonblocking));
           spin_event(ev);
         }));

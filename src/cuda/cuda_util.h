@@ -53,9 +53,11 @@ inline Status cuda_status(cudaError_t e, const char* what) {
 // once; on a thread where it is already bound it is cheap.
 class DeviceGuard {
  public:
+  // The thread's device already: nothing to set or restore (a submit and
+  // every poll of a copy run under a guard; cudaSetDevice is a driver call).
   explicit DeviceGuard(int device) : device_(device) {
     if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    status_ = cudaSetDevice(device);
+    if (prev_ != device) status_ = cudaSetDevice(device);
   }
   ~DeviceGuard() {
     if (prev_ >= 0 && prev_ != device_ && status_ == cudaSuccess) cudaSetDevice(prev_);

@@ -210,7 +210,7 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
       return true;
     }
     if ((k & 63) == 63 && Clock::now() >= give_up) break;
-    for (int r = 0; r < 16; ++r) cpu_relax();
+    for (int r = 0; r < 4; ++r) cpu_relax();
   }
   // Still running (a busy GPU): the watcher takes it from here.
   w.tickets.emplace_back(*s, *ticket);

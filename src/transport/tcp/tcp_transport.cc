@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "core/cpu_relax.h"
 #include "core/random_bytes.h"
 #include "core/thread_name.h"
 #include "fmt/format.h"
@@ -51,6 +52,12 @@ const OptionSpec kTcpOptionSpecs[] = {
      "longest an inline staging copy is waited for before its completion is handed to the "
      "GPU path's threads (a busy GPU must not hold an I/O thread)",
      1, 1000000},
+    {"tcp.busy_poll_us", OptionType::kString, "auto",
+     "after an I/O thread handled an event, how long (microseconds) it polls its sockets "
+     "without sleeping before it blocks in epoll again: a sleeping thread wakes ~10-15 us late "
+     "once idle for tens of microseconds, on each side of a round trip. auto: 200 where the "
+     "process may use 8 CPUs or more, else 0 (never spin: the threads would take the cores "
+     "the other side needs)"},
     {"tcp.trace", OptionType::kBool, "false",
      "stage trace of every transfer this engine initiates (posted, staging copies, frames "
      "sent, the target's stages, response, completed; docs/trace.md); off costs one branch"},
@@ -69,12 +76,28 @@ std::string hex_id(uint64_t id) {
 // machine running both ends, 2 threads per engine (5 busy threads) did
 // 2.2-2.8 context switches per 64 KiB write at depth 8, 1 thread 1.1-1.3,
 // and 64 KiB went from 2.31 to 2.84 GB/s (medians of 3, docs/benchmarks.md).
-uint32_t default_io_threads() {
+long usable_cpus() {
   cpu_set_t set;
   long cpus = 0;
   if (sched_getaffinity(0, sizeof set, &set) == 0) cpus = CPU_COUNT(&set);
   if (cpus <= 0) cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  return static_cast<uint32_t>(std::clamp<long>(cpus / 4, 1, 4));
+  return cpus;
+}
+
+uint32_t default_io_threads() {
+  return static_cast<uint32_t>(std::clamp<long>(usable_cpus() / 4, 1, 4));
+}
+
+// tcp.busy_poll_us: "auto" or a count of microseconds.
+Result<std::chrono::microseconds> parse_busy_poll(const std::string& v) {
+  if (v == "auto") return std::chrono::microseconds(usable_cpus() >= 8 ? 200 : 0);
+  char* end = nullptr;
+  const unsigned long long us = std::strtoull(v.c_str(), &end, 10);
+  if (v.empty() || end == v.c_str() || *end != 0 || v[0] == '-' || us > 1000000) {
+    return err::InvalidArgument("tcp.busy_poll_us=" + v +
+                                ": expected auto or microseconds (0 to 1000000)");
+  }
+  return std::chrono::microseconds(us);
 }
 }  // namespace
 
@@ -197,12 +220,23 @@ void Worker::run() {
   epoll_event events[64];
   int timeout_ms = -1;
   auto next_handshake_check = std::chrono::steady_clock::time_point{};
+  // Busy polling: for busy_poll after the last event, epoll is asked without
+  // sleeping, so the next frame of a round trip finds the thread awake.
+  const auto busy_poll = transport_.options().busy_poll;
+  auto last_event = std::chrono::steady_clock::time_point{};
   while (!stop_.load(std::memory_order_relaxed)) {
-    const int n = epoll_wait(epfd_, events, 64, timeout_ms);
+    const bool spinning =
+        busy_poll.count() > 0 && std::chrono::steady_clock::now() - last_event < busy_poll;
+    const int n = epoll_wait(epfd_, events, 64, spinning ? 0 : timeout_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
       spdlog::error("ferry tcp: epoll_wait failed in worker {}: {}", index_, errno_text(errno));
       return;
+    }
+    if (n > 0 && busy_poll.count() > 0) last_event = std::chrono::steady_clock::now();
+    if (n == 0 && spinning && !handshaking_.load(std::memory_order_relaxed)) {
+      cpu_relax();
+      continue;
     }
     for (int i = 0; i < n; ++i) {
       auto* tag = static_cast<EpollTag*>(events[i].data.ptr);
@@ -303,6 +337,9 @@ Status TcpTransport::start(const TransportContext& context) {
   opt_.streams = static_cast<uint32_t>(o.get_uint("tcp.streams"));
   opt_.io_threads = static_cast<uint32_t>(o.get_uint("tcp.io_threads"));
   if (opt_.io_threads == 0) opt_.io_threads = default_io_threads();
+  auto busy_poll = parse_busy_poll(o.get_string("tcp.busy_poll_us"));
+  if (!busy_poll.ok()) return busy_poll.status();
+  opt_.busy_poll = *busy_poll;
   // A stream's sends and receives are serial (one copy in the kernel at a
   // time), so a peer gets a stream per I/O thread: on a 16-core H100 host, 4
   // streams instead of 2 doubled 1 MiB reads (8.0 -> 14.6-15.9 GB/s host,

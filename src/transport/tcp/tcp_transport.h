@@ -44,7 +44,8 @@ using staging::GpuPathOptions;
 
 struct TcpOptions {
   uint32_t streams = 2;
-  uint32_t io_threads = 1;  // resolved from tcp.io_threads (0: by CPU count)
+  uint32_t io_threads = 1;                 // resolved from tcp.io_threads (0: by CPU count)
+  std::chrono::microseconds busy_poll{0};  // resolved from tcp.busy_poll_us
   uint64_t chunk_bytes = 1 << 20;
   uint32_t max_segments = 256;
   std::chrono::milliseconds connect_timeout{5000};
@@ -241,6 +242,7 @@ class TcpTransport final : public Transport {
  public:
   // "ferryN": this engine's ordinal in the process, prefix of its thread names.
   const std::string& thread_prefix() const { return thread_prefix_; }
+  const TcpOptions& options() const { return opt_; }
   TcpTransport() = default;
   ~TcpTransport() override;
 
