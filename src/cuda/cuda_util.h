@@ -50,14 +50,14 @@ inline Status cuda_status(cudaError_t e, const char* what) {
 // mapped pinned host memory -- which made the tcp transport's staging copies
 // (submitted from its own threads) fail with "pinned host memory not mapped
 // for the GPU". Since CUDA 12, cudaSetDevice binds the primary context at
-// once; on a thread where it is already bound it is cheap.
+// once; on a thread where it is already bound it is cheap. (Skipping it when
+// cudaGetDevice named the device already brought the failure back, and
+// cuMemGetAddressRange failed with CUDA_ERROR_INVALID_CONTEXT for VMM memory.)
 class DeviceGuard {
  public:
-  // The thread's device already: nothing to set or restore (a submit and
-  // every poll of a copy run under a guard; cudaSetDevice is a driver call).
   explicit DeviceGuard(int device) : device_(device) {
     if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    if (prev_ != device) status_ = cudaSetDevice(device);
+    status_ = cudaSetDevice(device);
   }
   ~DeviceGuard() {
     if (prev_ >= 0 && prev_ != device_ && status_ == cudaSuccess) cudaSetDevice(prev_);
