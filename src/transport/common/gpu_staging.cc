@@ -1,6 +1,7 @@
 #include "transport/common/gpu_staging.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,18 @@ size_t completion_threads(const char* v) {
     if (n >= 1 && n <= 16) return static_cast<size_t>(n);
   }
   return 4;
+}
+
+// Inline copies run on streams of the calling thread's lane: threads that
+// copy at the same time (the I/O threads of several frames in flight) then
+// neither queue behind one another's copies on one CUDA stream nor take
+// turns at that stream's lock while they poll. Threads beyond kInlineLanes
+// share lanes.
+constexpr uint32_t kInlineLanes = 16;
+uint32_t inline_lane() {
+  static std::atomic<uint32_t> next{0};
+  thread_local const uint32_t lane = next.fetch_add(1, std::memory_order_relaxed) % kInlineLanes;
+  return lane;
 }
 
 }  // namespace
@@ -142,7 +155,8 @@ std::unique_ptr<StagingSlot> GpuPath::slot_or_later(
 
 Result<CopyStream*> GpuPath::stream(int device, StreamUse use, bool after_default_stream) {
   std::lock_guard lock(streams_mu_);
-  auto& s = streams_[{device, use, after_default_stream}];
+  const uint32_t lane = use == StreamUse::kQueued ? 0 : inline_lane();
+  auto& s = streams_[{device, use, after_default_stream, lane}];
   if (!s) {
     CopyOptions options;
     options.sm_budget = use == StreamUse::kInlineEngine ? 0 : opt_.sm_budget;

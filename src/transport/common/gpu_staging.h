@@ -163,8 +163,9 @@ class GpuPath {
   std::unique_ptr<StagingPool> pool_;
   GpuPathOptions opt_;
   std::mutex streams_mu_;
-  // (device, use, after the default stream) →
-  std::map<std::tuple<int, StreamUse, bool>, std::unique_ptr<CopyStream>> streams_;
+  // (device, use, after the default stream, lane) →. Inline copies use the
+  // calling thread's lane (inline_lane()), queued ones lane 0.
+  std::map<std::tuple<int, StreamUse, bool, uint32_t>, std::unique_ptr<CopyStream>> streams_;
 
   // One lock, a condition variable per kind of thread (a shared one, with
   // notify_all, woke all six threads for every frame).
