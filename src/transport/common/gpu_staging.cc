@@ -121,15 +121,13 @@ GpuPath::~GpuPath() {
   }
 }
 
-void GpuPath::trace(Clock::time_point queued, Clock::time_point submit_begin,
-                    Clock::time_point submit_end, Clock::time_point seen,
-                    Clock::time_point returned) {
+void GpuPath::trace(const Waiting& w, Clock::time_point seen, Clock::time_point returned) {
   auto us = [](Clock::duration d) {
     return static_cast<float>(std::chrono::duration<double, std::micro>(d).count());
   };
   std::lock_guard lock(trace_mu_);
-  trace_.push_back({us(submit_begin - queued), us(submit_end - submit_begin), us(seen - submit_end),
-                    us(returned - seen)});
+  trace_.push_back({us(w.submit_begin - w.queued), us(w.submit_end - w.submit_begin),
+                    us(seen - w.submit_end), us(returned - seen)});
 }
 
 const char* GpuPath::env(const char* knob) const {
@@ -190,7 +188,7 @@ bool GpuPath::take(std::condition_variable& cv, std::deque<T>& queue, const bool
 }
 
 bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
-                          CopyFlags flags) {
+                          bool after_default_stream) {
   if (copies.empty()) return false;
   uint64_t bytes = 0;
   for (const auto& c : copies) {
@@ -203,7 +201,7 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   auto s =
       stream(copies.front().device,
              copies.size() == 1 && inline_engine_ ? StreamUse::kInlineEngine : StreamUse::kInline,
-             flags.after_default_stream);
+             after_default_stream);
   if (!s.ok()) return false;  // the queued path reports it
   std::vector<CopyBlock> blocks;
   blocks.reserve(copies.size());
@@ -214,28 +212,6 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
     done(Status(ticket.status().code(), "GPU staging copy failed: " + ticket.status().message()));
     return true;
   }
-  if (flags.waiter_polls) {
-    auto sub = std::make_shared<Submitted>();
-    sub->stream = *s;
-    sub->ticket = *ticket;
-    sub->done = std::move(done);
-    sub->queued = w.queued;
-    sub->submit_begin = w.submit_begin;
-    sub->submit_end = w.submit_end;
-    w.tickets.emplace_back(*s, *ticket);
-    w.submitted = sub;
-    {
-      std::lock_guard lock(submitted_mu_);
-      submitted_.push_back(std::move(sub));
-      submitted_count_.fetch_add(1, std::memory_order_release);
-    }
-    {
-      std::lock_guard lock(mu_);
-      waiting_.push_back(std::move(w));
-    }
-    watch_cv_.notify_one();
-    return true;
-  }
   // Spin: the copy takes a few microseconds, a sleep or a yield longer.
   const auto give_up = w.submit_end + opt_.inline_wait;
   for (uint32_t k = 0;; ++k) {
@@ -244,7 +220,7 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
       if (!st.ok()) st = Status(st.code(), "GPU staging copy failed: " + st.message());
       const auto seen = Clock::now();
       done(st);
-      if (tracing_) trace(w.queued, w.submit_begin, w.submit_end, seen, Clock::now());
+      if (tracing_) trace(w, seen, Clock::now());
       return true;
     }
     if ((k & 63) == 63 && Clock::now() >= give_up) break;
@@ -262,43 +238,14 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
 }
 
 void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
-                        CopyFlags flags) {
-  if (copy_inline(copies, done, flags)) return;
+                        bool after_default_stream) {
+  if (copy_inline(copies, done, after_default_stream)) return;
   {
     std::lock_guard lock(mu_);
     submits_.push_back(
-        Submit{std::move(copies), std::move(done), Clock::now(), flags.after_default_stream});
+        Submit{std::move(copies), std::move(done), Clock::now(), after_default_stream});
   }
   submit_cv_.notify_one();
-}
-
-void GpuPath::poll_submitted() {
-  if (submitted_count_.load(std::memory_order_acquire) == 0) return;
-  std::unique_lock lock(submitted_mu_, std::try_to_lock);
-  if (!lock.owns_lock()) return;  // another waiter is at it
-  std::vector<std::pair<std::shared_ptr<Submitted>, Status>> ready;
-  // In submission order; the first one still running ends the pass (those
-  // behind it on its stream are running too).
-  while (!submitted_.empty()) {
-    std::shared_ptr<Submitted>& sub = submitted_.front();
-    if (!sub->claimed.load(std::memory_order_acquire)) {
-      Status st = sub->stream->poll(sub->ticket);
-      if (st.code() == StatusCode::kInProgress) break;
-      if (!sub->claimed.exchange(true, std::memory_order_acq_rel)) {
-        ready.emplace_back(std::move(sub), std::move(st));
-      }
-    }
-    submitted_.pop_front();
-    submitted_count_.fetch_sub(1, std::memory_order_release);
-  }
-  lock.unlock();
-  for (auto& [sub, st] : ready) {
-    if (!st.ok()) st = Status(st.code(), "GPU staging copy failed: " + st.message());
-    const auto seen = Clock::now();
-    std::function<void(Status)> done = std::move(sub->done);
-    done(st);
-    if (tracing_) trace(sub->queued, sub->submit_begin, sub->submit_end, seen, Clock::now());
-  }
 }
 
 void GpuPath::submit_loop() {
@@ -366,14 +313,6 @@ void GpuPath::watch_loop() {
     size_t finished = 0;
     while (!mine.empty()) {
       Waiting& w = mine.front();
-      if (w.submitted) {  // waiter_polls: left to the waiters for kWaiterGrace
-        if (w.submitted->claimed.load(std::memory_order_acquire)) {
-          mine.pop_front();
-          ++finished;
-          continue;
-        }
-        if (Clock::now() - w.submit_end < kWaiterGrace) break;
-      }
       Status status = w.submit_error;
       bool done = true;
       for (auto& [stream, ticket] : w.tickets) {
@@ -386,14 +325,6 @@ void GpuPath::watch_loop() {
         status = s;
       }
       if (!done) break;
-      if (w.submitted) {
-        if (w.submitted->claimed.exchange(true, std::memory_order_acq_rel)) {
-          mine.pop_front();  // a waiter ran it meanwhile
-          ++finished;
-          continue;
-        }
-        w.done = std::move(w.submitted->done);
-      }
       if (!status.ok()) {
         status = Status(status.code(), "GPU staging copy failed: " + status.message());
       }
@@ -427,7 +358,7 @@ void GpuPath::callback_loop() {
     Finished f;
     if (!take(callback_cv_, finished_, stop_callbacks_, &f)) return;
     f.w.done(f.status);
-    if (tracing_) trace(f.w.queued, f.w.submit_begin, f.w.submit_end, f.seen, Clock::now());
+    if (tracing_) trace(f.w, f.seen, Clock::now());
   }
 }
 

@@ -29,7 +29,6 @@
 #pragma once
 
 #include <array>
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -53,21 +52,6 @@ namespace ferry::staging {
 struct DeviceCopy {
   int device;
   CopyBlock block;
-};
-
-// How copy_then treats its copies.
-struct CopyFlags {
-  // Start only after work queued on the device's legacy default stream
-  // before the call -- for the caller's own memory that the copies read (a
-  // write's source), which a PyTorch kernel may still be filling. Never for a
-  // target's: a target kernel waiting on the data would hold its own copy back.
-  bool after_default_stream = false;
-  // An inline copy is not waited for by the caller: copy_then returns once it
-  // is submitted, and a thread spinning in the engine's wait() finishes it
-  // through poll_submitted() (the watcher does after kWaiterGrace, if none
-  // did). For the initiator's own posts: a caller with several transfers in
-  // flight then queues their copies back to back instead of waiting for each.
-  bool waiter_polls = false;
 };
 
 struct GpuPathOptions {
@@ -109,13 +93,13 @@ class GpuPath {
   // thread before copy_then returns (unless the wait outlasts `inline_wait`):
   // callers hold no lock that `done` takes. The copies' memory must stay
   // valid until `done`.
+  // `after_default_stream`: the copies start only after work queued on their
+  // device's legacy default stream before this call -- for the caller's own
+  // memory that the copies read (a write's source), which a PyTorch kernel
+  // may still be filling. Never for a target's: a target kernel waiting on
+  // the data would hold its own copy back.
   void copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
-                 CopyFlags flags = {});
-  // Runs `done` of every inline copy submitted with waiter_polls that has
-  // finished, on this thread (the engine's waiting thread, via
-  // Transport::progress). Returns at once when there is none, or when
-  // another thread is polling them.
-  void poll_submitted();
+                 bool after_default_stream = false);
   // Runs `job` on the job thread, in submission order.
   void run(std::function<void()> job);
 
@@ -135,7 +119,7 @@ class GpuPath {
   Result<CopyStream*> stream(int device, StreamUse use, bool after_default_stream);
   // The inline path of copy_then; false if the copies are not for it.
   bool copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
-                   CopyFlags flags);
+                   bool after_default_stream);
   // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
   // `out`; false once `stop` is set and the queue is drained.
   template <typename T>
@@ -152,29 +136,12 @@ class GpuPath {
     Clock::time_point queued;
     bool after_default_stream = false;
   };
-  // A copy submitted with waiter_polls: finished by poll_submitted() or by
-  // the watcher, whichever claims it first.
-  struct Submitted {
-    CopyStream* stream = nullptr;
-    uint64_t ticket = 0;
-    std::function<void(Status)> done;  // moved out by the claimer
-    Clock::time_point queued, submit_begin, submit_end;
-    std::atomic<bool> claimed{false};
-  };
   struct Waiting {
     std::vector<std::pair<CopyStream*, uint64_t>> tickets;
     Status submit_error;
     std::function<void(Status)> done;
     Clock::time_point queued, submit_begin, submit_end;
-    std::shared_ptr<Submitted> submitted;  // waiter_polls: the watcher waits kWaiterGrace first
   };
-  // How long the watcher leaves a waiter_polls copy to the waiters.
-  static constexpr std::chrono::microseconds kWaiterGrace{50};
-  // waiter_polls copies in submission order, for poll_submitted(); each is
-  // in waiting_ too, as a Waiting whose `submitted` names it.
-  std::mutex submitted_mu_;
-  std::deque<std::shared_ptr<Submitted>> submitted_;
-  std::atomic<size_t> submitted_count_{0};
   struct Finished {
     Waiting w;
     Status status;
@@ -183,8 +150,7 @@ class GpuPath {
   // FERRY_<USER>_GPU_TRACE=1 (FERRY_TCP_GPU_TRACE): per frame, microseconds queued for the submit
   // thread, inside submit, until the copy was seen done, inside the callback;
   // summarized on stderr when the path is destroyed (diagnostic).
-  void trace(Clock::time_point queued, Clock::time_point submit_begin, Clock::time_point submit_end,
-             Clock::time_point seen, Clock::time_point returned);
+  void trace(const Waiting& w, Clock::time_point seen, Clock::time_point returned);
   bool tracing_ = false;
   // A lone inline copy goes to the copy engine (StreamUse::kInlineEngine);
   // FERRY_<USER>_GPU_INLINE_ENGINE=0 (measurement only) sends it to the kernel.

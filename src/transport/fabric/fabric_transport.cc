@@ -1285,8 +1285,7 @@ void FabricTransport::on_slot(const std::shared_ptr<Job>& job, size_t g,
     return;
   }
   // The write's source: after what the caller queued on the default stream.
-  path->copy_then(std::move(copies), std::move(done),
-                  staging::CopyFlags{.after_default_stream = true});
+  path->copy_then(std::move(copies), std::move(done), /*after_default_stream=*/true);
 }
 
 void FabricTransport::group_done_locked(const std::shared_ptr<Job>& job, size_t g,

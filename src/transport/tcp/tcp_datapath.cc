@@ -276,9 +276,7 @@ void TcpTransport::post_staged(
       transfer->tx_begin();  // the copy reads the caller's GPU memory
       if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopySubmitted);
       // The write's source: after what the caller queued on the default
-      // stream (a PyTorch kernel may still be filling it); a small copy is
-      // finished by the thread waiting for the transfer (progress()), so a
-      // caller posting several does not wait for each copy in turn.
+      // stream (a PyTorch kernel may still be filling it).
       path->copy_then(
           std::move(copies),
           [this, transfer, stream, frame](Status st) {
@@ -292,7 +290,7 @@ void TcpTransport::post_staged(
                                                               hex_id(transfer->peer()))));
             }
           },
-          staging::CopyFlags{.after_default_stream = true, .waiter_polls = true});
+          /*after_default_stream=*/true);
     };
     if (auto slot = path->slot_or_later(stage)) stage(std::move(slot));
   }

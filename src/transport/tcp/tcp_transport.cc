@@ -407,10 +407,6 @@ void TcpTransport::shutdown(const Status& reason) {
   }
   workers_.clear();
   {
-    std::unique_lock poll_lock(gpu_poll_mu_);  // no waiter polls it from here on
-    gpu_live_.store(nullptr, std::memory_order_release);
-  }
-  {
     std::lock_guard lock(gpu_mu_);
     gpu_.reset();  // waits for copies in flight; their callbacks find dead streams
   }
@@ -436,15 +432,7 @@ Result<GpuPath*> TcpTransport::gpu() {
     return gpu_error_;
   }
   gpu_ = std::move(created.value());
-  gpu_live_.store(gpu_.get(), std::memory_order_release);
   return gpu_.get();
-}
-
-void TcpTransport::progress(const Transfer& /*transfer*/) {
-  if (gpu_live_.load(std::memory_order_acquire) == nullptr) return;
-  std::shared_lock lock(gpu_poll_mu_, std::try_to_lock);
-  if (!lock.owns_lock()) return;  // shutting down
-  if (GpuPath* g = gpu_live_.load(std::memory_order_acquire)) g->poll_submitted();
 }
 
 Bytes TcpTransport::local_address() const {

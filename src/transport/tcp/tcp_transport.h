@@ -22,7 +22,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -263,9 +262,6 @@ class TcpTransport final : public Transport {
   Status post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
                            Bytes payload) override;
   void cancel(Transfer& transfer) override;
-  // A waiting thread finishes the staging copies of writes it posted
-  // (GpuPath::poll_submitted): no hand-off to the GPU path's threads.
-  void progress(const Transfer& transfer) override;
   void release_revoked_regions() override;
 
   // --- used by workers ---
@@ -365,10 +361,6 @@ class TcpTransport final : public Transport {
   std::string thread_prefix_ = "ferry";
   std::mutex gpu_mu_;
   std::unique_ptr<GpuPath> gpu_;
-  // gpu_ for progress(), without gpu_mu_; null once shutdown began (under
-  // gpu_poll_mu_, which pollers hold shared).
-  std::atomic<GpuPath*> gpu_live_{nullptr};
-  std::shared_mutex gpu_poll_mu_;
   Status gpu_error_;
   std::shared_ptr<TraceLog> trace_log_;  // tcp.trace on: where finished traces go
 };
