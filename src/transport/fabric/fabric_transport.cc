@@ -297,6 +297,40 @@ Status FabricTransport::open_fabric() {
   if (!node.empty() && node.front() == '[') node = node.substr(1, node.size() - 2);
   if (node == "0.0.0.0" || node == "::" || node == "*") node.clear();
 
+  // Keys are carried as 64 bits (raw keys are passed over). Unless a provider is named,
+  // same-host-only providers (shm, sm2) are passed over: this transport is for reaching other hosts
+  // -- the engine's shm and cuda_ipc transports cover this one -- and libfabric's shm, first in the
+  // list where it is built (Ubuntu's libfabric), names its endpoints after the address, so two
+  // engines on one host collided (fi_enable: EBUSY; a handshake answered by the wrong engine).
+  std::string passed_over;  // "name (why)", for the error when nothing is left
+  auto pass_over = [&](const std::string& name, const char* why) {
+    const std::string item = name + " (" + why + ")";
+    if (passed_over.find(item) == std::string::npos) {
+      passed_over += (passed_over.empty() ? "" : ", ") + item;
+    }
+    return false;
+  };
+  auto usable = [&](const struct fi_info* i) {
+    const std::string name = i->fabric_attr->prov_name ? i->fabric_attr->prov_name : "";
+    if (i->domain_attr->mr_key_size > 8 || (i->domain_attr->mr_mode & FI_MR_RAW)) {
+      return pass_over(name, "keys over 8 bytes");
+    }
+    if (opt_.provider.empty()) {
+      for (const char* local : {"shm", "sm2"}) {
+        if (name == local || name.rfind(std::string(local) + ";", 0) == 0) {
+          return pass_over(name, "same host only; name it with fabric.provider to use it");
+        }
+      }
+    }
+    return true;
+  };
+  auto any_usable = [&](const struct fi_info* l) {
+    for (; l; l = l->next) {
+      if (usable(l)) return true;
+    }
+    return false;
+  };
+
   struct fi_info* list = nullptr;
   int ret = -FI_ENODATA;
   const uint64_t base_caps = hints->caps;
@@ -314,6 +348,11 @@ Status FabricTransport::open_fabric() {
       ret = api_.getinfo(with_hmem ? kHmemApiVersion : kApiVersion,
                          with_node ? node.c_str() : nullptr, nullptr, with_node ? FI_SOURCE : 0,
                          hints, &list);
+      if (ret == 0 && !any_usable(list)) {
+        api_.freeinfo(list);
+        list = nullptr;
+        ret = -FI_ENODATA;
+      }
       if (ret == 0) {
         delivery_complete_ = dc;
         hmem_ = with_hmem != 0;
@@ -331,22 +370,13 @@ Status FabricTransport::open_fabric() {
   }
   if (ret != 0 || !list) {
     return err::NotSupported(fmt::format(
-        "fabric: no libfabric provider offers reliable-datagram endpoints with RMA{}{}: {}",
+        "fabric: no libfabric provider offers reliable-datagram endpoints with RMA{}{}{}: {}",
         opt_.provider.empty() ? "" : " as provider '" + opt_.provider + "'",
-        opt_.domain.empty() ? "" : " on domain '" + opt_.domain + "'", fi_error(ret)));
+        opt_.domain.empty() ? "" : " on domain '" + opt_.domain + "'",
+        passed_over.empty() ? "" : " (passed over: " + passed_over + ")", fi_error(ret)));
   }
-  // Keys are carried as 64 bits.
-  struct fi_info* pick = nullptr;
-  for (struct fi_info* i = list; i; i = i->next) {
-    if (i->domain_attr->mr_key_size <= 8 && !(i->domain_attr->mr_mode & FI_MR_RAW)) {
-      pick = i;
-      break;
-    }
-  }
-  if (!pick) {
-    api_.freeinfo(list);
-    return err::NotSupported("fabric: every matching provider needs raw (> 8-byte) keys");
-  }
+  struct fi_info* pick = list;  // any_usable(list) held
+  while (!usable(pick)) pick = pick->next;
   info_ = api_.dupinfo(pick);
   api_.freeinfo(list);
 
