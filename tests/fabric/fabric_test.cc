@@ -340,6 +340,43 @@ TEST(FabricUnavailable, MissingLibraryLeavesTcpWorking) {
   EXPECT_EQ(peer->Checksum(0, 1 << 20), PatternHash(8, 0, 1 << 20));
 }
 
+// Without fabric.provider, libfabric's same-host providers are passed over
+// (the engine's shm and cuda_ipc transports serve this host; Ubuntu's
+// libfabric lists shm first, and two engines on one host collided on its
+// endpoint names). FI_PROVIDER=shm leaves libfabric nothing else to offer:
+// the transport then says what it passed over and why; named, shm runs.
+// libfabric reads FI_PROVIDER once per process, so this holds only in a
+// process where it was not initialised before (ctest runs each test alone).
+TEST(FabricUnavailable, SameHostProviderIsPassedOverUnlessNamed) {
+  setenv("FI_PROVIDER", "shm", 1);
+  auto fabric_detail = [](std::map<std::string, std::string> options, bool* running) {
+    options["engine.transports"] = "auto";
+    auto e = MakeEngine(std::move(options));
+    std::string detail;
+    for (const auto& t : e ? e->transports() : std::vector<TransportInfo>{}) {
+      if (t.name == "fabric") {
+        detail = t.detail;
+        *running = t.running;
+      }
+    }
+    return detail;
+  };
+  bool running = false;
+  const std::string unnamed = fabric_detail({}, &running);
+  unsetenv("FI_PROVIDER");
+  if (unnamed.find("shm") == std::string::npos) {
+    GTEST_SKIP() << "libfabric here offers no shm provider, or read FI_PROVIDER before this test: "
+                 << unnamed;
+  }
+  EXPECT_FALSE(running) << unnamed;
+  EXPECT_NE(unnamed.find("passed over: shm (same host only"), std::string::npos) << unnamed;
+  setenv("FI_PROVIDER", "shm", 1);
+  const std::string named = fabric_detail({{"fabric.provider", "shm"}}, &running);
+  unsetenv("FI_PROVIDER");
+  EXPECT_TRUE(running) << named;
+  EXPECT_EQ(named.rfind("shm", 0), 0u) << named;
+}
+
 TEST(FabricWire, MalformedMessagesAreProtocolErrors) {
   using namespace ferry::fabric;
   Bytes ok = encode(MsgType::kPing, 7, 1, {});
