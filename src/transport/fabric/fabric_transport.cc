@@ -1315,7 +1315,7 @@ void FabricTransport::on_slot(const std::shared_ptr<Job>& job, size_t g,
         pump_locked();
       }
       maybe_finish_locked(job);
-      job_cv_.notify_all();
+      notify_job_waiters_locked();
     }
     wake();
   };
@@ -1364,7 +1364,7 @@ void FabricTransport::group_done_locked(const std::shared_ptr<Job>& job, size_t 
                                              job->groups[g].bytes, describe(*job->peer)));
         }
         maybe_finish_locked(job);
-        job_cv_.notify_all();
+        notify_job_waiters_locked();
       }
       wake();
     });
@@ -1570,7 +1570,11 @@ void FabricTransport::fail_job_locked(const std::shared_ptr<Job>& job, const Sta
     job->transfer->complete(job->error);
     remove_live_locked(*job);
   }
-  job_cv_.notify_all();
+  notify_job_waiters_locked();
+}
+
+void FabricTransport::notify_job_waiters_locked() {
+  if (job_waiters_ > 0) job_cv_.notify_all();
 }
 
 void FabricTransport::maybe_finish_locked(const std::shared_ptr<Job>& job) {
@@ -1595,7 +1599,7 @@ void FabricTransport::maybe_finish_locked(const std::shared_ptr<Job>& job) {
   job->finished = true;
   t.complete(Status::Ok());
   remove_live_locked(*job);
-  job_cv_.notify_all();
+  notify_job_waiters_locked();
 }
 
 void FabricTransport::cancel(Transfer& transfer) {
@@ -1608,9 +1612,11 @@ void FabricTransport::cancel(Transfer& transfer) {
   }
   // Ops already handed to the provider cannot be called back: wait until they
   // complete (or the peer is declared dead, which bounds the wait).
+  ++job_waiters_;
   job_cv_.wait_for(lock, opt_.peer_timeout + std::chrono::seconds(1), [&] {
     return (job->done == job->posted || job->peer->dead.load()) && job->copies == 0;
   });
+  --job_waiters_;
   maybe_finish_locked(job);
 }
 
@@ -1663,7 +1669,7 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
       }
     }
     maybe_finish_locked(job);
-    job_cv_.notify_all();
+    notify_job_waiters_locked();
     if (!acks_due_.empty()) send_due_acks_locked();
     return;
   }
@@ -1678,7 +1684,7 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
     job->finished = true;
     job->transfer->complete(Status::Ok());
     remove_live_locked(*job);
-    job_cv_.notify_all();
+    notify_job_waiters_locked();
   }
 }
 

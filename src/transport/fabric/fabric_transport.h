@@ -381,6 +381,9 @@ class FabricTransport final : public Transport {
 
   std::mutex post_mu_;
   std::condition_variable job_cv_;  // with post_mu_: a job's op completed
+  uint32_t job_waiters_ = 0;        // threads in cancel() on job_cv_; under post_mu_
+  // Most calls are never cancelled: notify only where somebody waits.
+  void notify_job_waiters_locked();
   std::vector<std::unique_ptr<Op>> ops_;
   std::vector<Op*> free_ops_;
   std::deque<std::shared_ptr<Job>> queue_;  // jobs with segments still to post
