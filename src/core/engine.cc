@@ -316,7 +316,9 @@ class Engine::Impl {
 
   Result<TransferId> post(TransferOp op, PeerId peer, std::span<const LocalIov> local,
                           std::span<const RemoteIov> remote, std::optional<ByteView> notification) {
-    if (Status s = check_peer(peer); !s.ok()) return s;
+    // An unconnected peer is the error reported first, whatever else is
+    // wrong; it is looked at only when something failed, so a call to a
+    // connected peer asks its transports once (choose), not twice.
     std::vector<Segment> segments;
     const uint8_t wanted = op == TransferOp::kWrite ? kAccessWrite : kAccessRead;
     MemoryRoute route;
@@ -325,10 +327,14 @@ class Engine::Impl {
     if (Status s =
             build_segments(peer, local, remote, wanted, &segments, &route, &host_pairs, &peer_gpu);
         !s.ok()) {
+      if (Status c = check_peer(peer); !c.ok()) return c;
       return s;
     }
     auto chosen = transports_.choose(peer, route, host_pairs, peer_gpu);
-    if (!chosen.ok()) return chosen.status();
+    if (!chosen.ok()) {
+      if (Status c = check_peer(peer); !c.ok()) return c;
+      return chosen.status();
+    }
     Transport* transport = *chosen;
     auto t = transfers_.create(op, peer);
     t->transport = transport;
@@ -348,16 +354,17 @@ class Engine::Impl {
   }
 
   Status wait(TransferId id, std::chrono::milliseconds timeout) {
-    auto t = transfers_.find(id);
+    bool taken = false;  // finished already: out of the table in the same lookup
+    auto t = transfers_.find(id, &taken);
     if (!t) return unknown_transfer(id);
     // Spin only where it pays: a large transfer takes far longer than a
     // wake-up, and spinning would take a core from the I/O threads.
     const auto spin = t->bytes <= kSpinMaxBytes ? wait_spin_ : std::chrono::microseconds(0);
-    if (!t->wait_until(std::chrono::steady_clock::now() + timeout, spin)) {
+    if (!t->wait_for(timeout, spin)) {
       return err::Timeout(
           fmt::format("transfer {} still in progress after {} ms", id, timeout.count()));
     }
-    transfers_.erase(id);
+    if (!taken) transfers_.erase(id);
     return t->status();
   }
 
@@ -636,10 +643,10 @@ Status Engine::read(PeerId peer, std::span<const LocalIov> local, std::span<cons
 }
 
 Status Engine::test(TransferId transfer) {
-  auto t = impl_->transfers_.find(transfer);
+  bool taken = false;
+  auto t = impl_->transfers_.find(transfer, &taken);
   if (!t) return Impl::unknown_transfer(transfer);
-  if (!t->finished()) return Status(StatusCode::kInProgress, "");
-  impl_->transfers_.erase(transfer);
+  if (!taken) return Status(StatusCode::kInProgress, "");
   return t->status();
 }
 

@@ -39,6 +39,8 @@ class Transfer {
   // sleeping; returns finished().
   bool wait_until(std::chrono::steady_clock::time_point deadline,
                   std::chrono::microseconds spin = std::chrono::microseconds(0)) const;
+  // The same with a timeout; a transfer already finished costs no clock read.
+  bool wait_for(std::chrono::milliseconds timeout, std::chrono::microseconds spin) const;
 
   // --- transport bookkeeping -------------------------------------------------
   // Frames (or other units) still to be answered.
@@ -50,6 +52,9 @@ class Transfer {
   uint64_t bytes = 0;
   // The transport the batch was posted on (set by core; cancel goes there).
   Transport* transport = nullptr;
+  // The transport's own record of the transfer, where it keeps one (set and
+  // read under the transport's lock; core never touches it).
+  void* transport_state = nullptr;
   // Payload of a notification sent after the write completes (empty: none).
   Bytes notification;
   bool has_notification = false;
@@ -87,6 +92,10 @@ class TransferTable {
  public:
   std::shared_ptr<Transfer> create(TransferOp op, PeerId peer);
   std::shared_ptr<Transfer> find(TransferId id) const;
+  // The same; one that has finished also leaves the table (*taken: its final
+  // status is the caller's to report) -- one lookup where find and erase
+  // took two.
+  std::shared_ptr<Transfer> find(TransferId id, bool* taken);
   void erase(TransferId id);
   size_t size() const;
   // Completes every live transfer with `status` (engine shutdown).

@@ -25,8 +25,8 @@ bool Transfer::complete(Status status) {
 }
 
 Status Transfer::status() const {
+  // status_ is written once, before finished_ (release): no lock needed.
   if (!finished()) return Status(StatusCode::kInProgress, "");
-  std::lock_guard lock(mu_);
   return status_;
 }
 
@@ -51,6 +51,14 @@ bool Transfer::wait_until(std::chrono::steady_clock::time_point deadline,
   }
   std::unique_lock lock(mu_);
   return cv_.wait_until(lock, deadline, [&] { return finished_.load(std::memory_order_relaxed); });
+}
+
+bool Transfer::wait_for(std::chrono::milliseconds timeout, std::chrono::microseconds spin) const {
+  if (finished_.load(std::memory_order_acquire)) {
+    if (spin.count() > 0 && transport != nullptr) transport->stop_polling(*this, true);
+    return true;
+  }
+  return wait_until(std::chrono::steady_clock::now() + timeout, spin);
 }
 
 void Transfer::note_error(const Status& s) {
@@ -93,6 +101,16 @@ std::shared_ptr<Transfer> TransferTable::find(TransferId id) const {
   std::lock_guard lock(mu_);
   auto it = live_.find(id);
   return it == live_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Transfer> TransferTable::find(TransferId id, bool* taken) {
+  std::lock_guard lock(mu_);
+  auto it = live_.find(id);
+  if (it == live_.end()) return nullptr;
+  std::shared_ptr<Transfer> t = it->second;
+  *taken = t->finished();
+  if (*taken) live_.erase(it);
+  return t;
 }
 
 void TransferTable::erase(TransferId id) {

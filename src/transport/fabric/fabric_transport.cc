@@ -95,6 +95,16 @@ std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
 }
 
+// The peer this thread looked up last (FabricTransport::find_peer).
+struct PeerCache {
+  const FabricTransport* owner = nullptr;
+  uint64_t version = 0;
+  PeerId id = 0;
+  std::shared_ptr<Peer> peer;
+};
+thread_local PeerCache t_peer_cache;
+std::atomic<uint64_t> g_peers_version{0};
+
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
       .count();
@@ -199,9 +209,8 @@ TransportCaps FabricTransport::capabilities() const {
 
 TransportCaps FabricTransport::capabilities_for(PeerId peer) const {
   TransportCaps c = capabilities();
-  std::lock_guard lock(peers_mu_);
-  auto it = peers_.find(peer);
-  if (it != peers_.end() && it->second->hmem) {
+  if (!any_peer_hmem_.load(std::memory_order_acquire)) return c;
+  if (const auto& p = find_peer(peer); p && p->hmem) {
     c.cuda_memory = true;
     c.local_gpu_only = false;
   }
@@ -555,6 +564,7 @@ void FabricTransport::shutdown(const Status& reason) {
     std::lock_guard lock(peers_mu_);
     for (auto& [id, p] : peers_) peers.push_back(p);
     peers_.clear();
+    peers_changed_locked(nullptr);
     for (auto& [id, w] : connect_waits_) {
       w.done = true;
       w.status = reason;
@@ -564,8 +574,7 @@ void FabricTransport::shutdown(const Status& reason) {
   for (auto& p : peers) fail_peer(p, reason);
   {
     std::lock_guard lock(post_mu_);
-    std::vector<std::shared_ptr<Job>> all;
-    for (auto& [t, j] : jobs_) all.push_back(j);
+    std::vector<std::shared_ptr<Job>> all = live_jobs_;
     for (auto& j : all) fail_job_locked(j, reason);
   }
   drain_before_close();
@@ -704,15 +713,15 @@ Result<PeerId> FabricTransport::connect(ByteView peer_address, PeerId expected_p
     pending->id = w.peer;
     pending->last_heard.store(now_ns());
     peers_[w.peer] = pending;
+    peers_changed_locked(pending.get());
   }
   spdlog::debug("fabric: connected to engine {} at {}", hex_id(w.peer), text);
   return w.peer;
 }
 
 bool FabricTransport::is_connected(PeerId peer) const {
-  std::lock_guard lock(peers_mu_);
-  auto it = peers_.find(peer);
-  return it != peers_.end() && !it->second->dead.load();
+  const auto& p = find_peer(peer);
+  return p && !p->dead.load();
 }
 
 std::string FabricTransport::peer_address(PeerId peer) const {
@@ -721,19 +730,41 @@ std::string FabricTransport::peer_address(PeerId peer) const {
   return it == peers_.end() || it->second->dead.load() ? std::string() : it->second->via;
 }
 
-Result<std::shared_ptr<Peer>> FabricTransport::live_peer(PeerId peer) const {
+uint64_t FabricTransport::next_peers_version() {
+  return g_peers_version.fetch_add(1) + 1;
+}
+
+void FabricTransport::peers_changed_locked(const Peer* added) {
+  if (added && added->hmem) any_peer_hmem_.store(true, std::memory_order_release);
+  peers_version_.store(next_peers_version(), std::memory_order_release);
+}
+
+const std::shared_ptr<Peer>& FabricTransport::find_peer(PeerId peer) const {
+  PeerCache& c = t_peer_cache;
+  if (c.owner == this && c.id == peer &&
+      c.version == peers_version_.load(std::memory_order_acquire)) {
+    return c.peer;
+  }
   std::lock_guard lock(peers_mu_);
   auto it = peers_.find(peer);
-  if (it == peers_.end()) {
+  c.owner = this;
+  c.version = peers_version_.load(std::memory_order_relaxed);
+  c.id = peer;
+  c.peer = it == peers_.end() ? nullptr : it->second;
+  return c.peer;
+}
+
+Result<std::shared_ptr<Peer>> FabricTransport::live_peer(PeerId peer) const {
+  const std::shared_ptr<Peer>& p = find_peer(peer);
+  if (!p) {
     return err::PeerDisconnected(
         fmt::format("fabric: peer {} is not connected (lost or never connected)", hex_id(peer)));
   }
-  if (it->second->dead.load()) {
-    std::lock_guard plock(it->second->mu);
-    return err::PeerDisconnected(
-        fmt::format("fabric: {}: {}", describe(*it->second), it->second->dead_reason));
+  if (p->dead.load()) {
+    std::lock_guard plock(p->mu);
+    return err::PeerDisconnected(fmt::format("fabric: {}: {}", describe(*p), p->dead_reason));
   }
-  return it->second;
+  return p;
 }
 
 // --- keys ---------------------------------------------------------------------
@@ -947,7 +978,7 @@ Status FabricTransport::revoked_error(const Peer& p, RegionId region) const {
 
 void FabricTransport::stop_jobs_on_revoked_locked(const std::shared_ptr<Peer>& p, RegionId region) {
   std::vector<std::shared_ptr<Job>> hit;
-  for (auto& [t, job] : jobs_) {
+  for (auto& job : live_jobs_) {
     if (job->peer != p || job->stopped) continue;
     for (size_t i = job->next; i < job->segs.size(); ++i) {
       if (job->segs[i].remote.region_id == region) {
@@ -1094,14 +1125,10 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     if (Status s = plan_staging(*job, *path); !s.ok()) return s;
   }
   std::vector<Segment>& segs = job->segs;
-  job->keys.resize(segs.size());
+  if (segs.size() > 1) job->more_keys.resize(segs.size());
   if ((mr_mode_ & FI_MR_LOCAL) || gpu_direct) job->descs.resize(segs.size());
-  uint64_t revoke_gen;
   bool handed_over = false;  // every op of the job is with the provider
-  {
-    std::lock_guard lock(post_mu_);
-    revoke_gen = (*p)->revoke_gen;
-  }
+  const uint64_t revoke_gen = (*p)->revoke_gen.load();
   // Keys: one request per descriptor the first time, then a cache hit; a run
   // of segments on one descriptor looks it up once.
   const RemoteAccessRequest* last = nullptr;
@@ -1118,7 +1145,7 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
       last_key = *k;
       last = &r;
     }
-    job->keys[i] = {last_key.mr_key, last_key.base + r.adv_offset + r.offset};
+    job->key(i) = {last_key.mr_key, last_key.base + r.adv_offset + r.offset};
     if (job->descs.empty()) continue;
     if (!job->group_of.empty() && job->group_of[i] >= 0) {
       job->descs[i] = staging_desc_;  // the pool's registration
@@ -1148,9 +1175,21 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
         }
       }
     }
-    jobs_[t.get()] = job;
-    queue_.push_back(job);
-    pump_locked();
+    add_live_locked(job);
+    if (queue_.empty() && send_queue_.empty() && job->groups.empty()) {
+      // Nothing waits before it: posted here, without a round through queue_
+      // (what the window or the provider leaves joins it).
+      while (!job->stopped && job->next < segs.size() && inflight_ < opt_.max_inflight &&
+             inflight_bytes_ < opt_.max_inflight_bytes && post_one_locked(*job, job)) {
+      }
+      if (!job->stopped && job->next < segs.size()) {
+        queue_.push_back(job);
+        backlog_.store(true, std::memory_order_relaxed);
+      }
+    } else {
+      queue_.push_back(job);
+      pump_locked();
+    }
     maybe_finish_locked(job);
     handed_over = job->finished || job->stopped ||
                   (job->next >= job->segs.size() && job->groups.empty() && send_queue_.empty());
@@ -1306,7 +1345,7 @@ void FabricTransport::on_slot(const std::shared_ptr<Job>& job, size_t g,
         pump_locked();
       }
       maybe_finish_locked(job);
-      job_cv_.notify_all();
+      notify_job_waiters_locked();
     }
     wake();
   };
@@ -1356,7 +1395,7 @@ void FabricTransport::group_done_locked(const std::shared_ptr<Job>& job, size_t 
                                              job->groups[g].bytes, describe(*job->peer)));
         }
         maybe_finish_locked(job);
-        job_cv_.notify_all();
+        notify_job_waiters_locked();
       }
       wake();
     });
@@ -1399,8 +1438,8 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   size_t i = job.next;
   uint64_t off = job.next_off;
   uint64_t total = 0;
-  const uint64_t key = job.keys[i].mr_key;
-  const uint64_t start = job.keys[i].base + off;
+  const uint64_t key = job.key(i).mr_key;
+  const uint64_t start = job.key(i).base + off;
   // Staged pieces: one op never mixes groups (a group's slot goes back when
   // its bytes completed) nor splits a piece (each fits one op).
   auto group_at = [&job](size_t k) { return job.group_of.empty() ? -1 : job.group_of[k]; };
@@ -1412,7 +1451,7 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   while (end_i < job.segs.size() && op->niov < iov_limit_) {
     const Segment& s = job.segs[end_i];
     if (op->niov > 0 &&
-        (job.keys[end_i].mr_key != key || job.keys[end_i].base != start + total ||
+        (job.key(end_i).mr_key != key || job.key(end_i).base != start + total ||
          group_at(end_i) != group || (group >= 0 && s.length > max_op_bytes_ - total))) {
       break;
     }
@@ -1530,6 +1569,23 @@ void FabricTransport::pump_locked() {
   backlog_.store(!send_queue_.empty() || !queue_.empty(), std::memory_order_relaxed);
 }
 
+void FabricTransport::add_live_locked(const std::shared_ptr<Job>& job) {
+  job->live_index = live_jobs_.size();
+  job->transfer->transport_state = job.get();
+  live_jobs_.push_back(job);
+}
+
+void FabricTransport::remove_live_locked(Job& job) {
+  // The last one takes its place.
+  const size_t i = job.live_index;
+  job.transfer->transport_state = nullptr;
+  if (i + 1 != live_jobs_.size()) {
+    live_jobs_[i] = std::move(live_jobs_.back());
+    live_jobs_[i]->live_index = i;
+  }
+  live_jobs_.pop_back();
+}
+
 void FabricTransport::stop_staged_job_locked(Job& job, const Status& s, const std::string& what) {
   job.stopped = true;
   if (job.error.ok()) {
@@ -1543,9 +1599,13 @@ void FabricTransport::fail_job_locked(const std::shared_ptr<Job>& job, const Sta
   if (!job->finished) {
     job->finished = true;
     job->transfer->complete(job->error);
-    jobs_.erase(job->transfer.get());
+    remove_live_locked(*job);
   }
-  job_cv_.notify_all();
+  notify_job_waiters_locked();
+}
+
+void FabricTransport::notify_job_waiters_locked() {
+  if (job_waiters_ > 0) job_cv_.notify_all();
 }
 
 void FabricTransport::maybe_finish_locked(const std::shared_ptr<Job>& job) {
@@ -1569,24 +1629,25 @@ void FabricTransport::maybe_finish_locked(const std::shared_ptr<Job>& job) {
   if (job->write && t.has_notification) return;  // waits for the NOTIFY send
   job->finished = true;
   t.complete(Status::Ok());
-  jobs_.erase(job->transfer.get());
-  job_cv_.notify_all();
+  remove_live_locked(*job);
+  notify_job_waiters_locked();
 }
 
 void FabricTransport::cancel(Transfer& transfer) {
   std::unique_lock lock(post_mu_);
-  auto it = jobs_.find(&transfer);
-  if (it == jobs_.end()) return;
-  std::shared_ptr<Job> job = it->second;
+  if (!transfer.transport_state) return;
+  std::shared_ptr<Job> job = live_jobs_[static_cast<Job*>(transfer.transport_state)->live_index];
   job->stopped = true;
   if (job->error.ok()) {
     job->error = err::Cancelled(fmt::format("transfer {} was cancelled", transfer.id()));
   }
   // Ops already handed to the provider cannot be called back: wait until they
   // complete (or the peer is declared dead, which bounds the wait).
+  ++job_waiters_;
   job_cv_.wait_for(lock, opt_.peer_timeout + std::chrono::seconds(1), [&] {
     return (job->done == job->posted || job->peer->dead.load()) && job->copies == 0;
   });
+  --job_waiters_;
   maybe_finish_locked(job);
 }
 
@@ -1639,7 +1700,7 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
       }
     }
     maybe_finish_locked(job);
-    job_cv_.notify_all();
+    notify_job_waiters_locked();
     if (!acks_due_.empty()) send_due_acks_locked();
     return;
   }
@@ -1653,8 +1714,8 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
     }
     job->finished = true;
     job->transfer->complete(Status::Ok());
-    jobs_.erase(job->transfer.get());
-    job_cv_.notify_all();
+    remove_live_locked(*job);
+    notify_job_waiters_locked();
   }
 }
 
@@ -2015,7 +2076,7 @@ void FabricTransport::fail_peer(const std::shared_ptr<Peer>& p, const Status& re
   {
     std::lock_guard lock(post_mu_);
     std::vector<std::shared_ptr<Job>> mine;
-    for (auto& [t, j] : jobs_) {
+    for (auto& j : live_jobs_) {
       if (j->peer == p) mine.push_back(j);
     }
     failed = mine.size();
@@ -2100,6 +2161,7 @@ Status FabricTransport::handle(const Header& h, ByteView body) {
       auto it = peers_.find(h.sender);
       if (it == peers_.end() || it->second->dead.load()) {
         peers_[h.sender] = p;
+        peers_changed_locked(p.get());
         fresh = true;
       } else {
         p = it->second;

@@ -123,7 +123,9 @@ struct Peer {
   std::string dead_reason;  // under mu
   std::map<GrantKey, RemoteKey> grants;
   std::unordered_set<RegionId> revoked;  // regions the peer told us are gone
-  uint64_t revoke_gen = 0;               // REVOKEs handled; under the transport's post_mu_
+  // REVOKEs handled: raised under the transport's post_mu_, read without it
+  // before a call's keys are looked up.
+  std::atomic<uint64_t> revoke_gen{0};
   struct GrantWait {
     bool done = false;
     Grant grant;
@@ -169,8 +171,12 @@ struct Job {
   std::shared_ptr<Peer> peer;
   bool write = true;
   std::vector<Segment> segs;
-  std::vector<RemoteKey> keys;  // per segment: key and remote address of byte 0
-  std::vector<void*> descs;     // per segment (FI_MR_LOCAL, or local GPU memory under FI_HMEM)
+  // Per segment: key and remote address of byte 0. A one-segment call (most
+  // small ones) keeps it in one_key: no allocation.
+  RemoteKey one_key;
+  std::vector<RemoteKey> more_keys;
+  RemoteKey& key(size_t i) { return more_keys.empty() ? one_key : more_keys[i]; }
+  std::vector<void*> descs;  // per segment (FI_MR_LOCAL, or local GPU memory under FI_HMEM)
   // Staging (empty when no segment is staged): per segment its group (-1:
   // none) and offset in the group's slot.
   std::vector<int32_t> group_of;
@@ -184,6 +190,7 @@ struct Job {
   bool notify_posted = false;
   bool finished = false;
   Status error;
+  size_t live_index = 0;  // its place in FabricTransport::live_jobs_ until it finishes
 };
 
 class FabricTransport final : public Transport {
@@ -253,6 +260,14 @@ class FabricTransport final : public Transport {
   Status post(PeerId peer, const std::shared_ptr<Transfer>& t, std::vector<Segment>& segments,
               bool write);
   Result<std::shared_ptr<Peer>> live_peer(PeerId peer) const;
+  // peers_[peer], or null. Without peers_mu_ where this thread looked the
+  // same peer up last and peers_ has not changed since: one call looks its
+  // peer up three times (core's route choice, then post). The reference
+  // holds until this thread's next find_peer.
+  const std::shared_ptr<Peer>& find_peer(PeerId peer) const;
+  // peers_mu_ held, peers_ changed (`added`: the peer listed, if any):
+  // every thread's cached lookup is stale.
+  void peers_changed_locked(const Peer* added);
   Result<RemoteKey> grant_for(const std::shared_ptr<Peer>& p, const RemoteAccessRequest& r);
   Result<void*> local_desc(const Segment& s);
   // fi_mr_reg, or fi_mr_regattr with FI_HMEM_CUDA for `device` >= 0; bound
@@ -339,6 +354,13 @@ class FabricTransport final : public Transport {
 
   mutable std::mutex peers_mu_;
   std::unordered_map<PeerId, std::shared_ptr<Peer>> peers_;
+  // Raised (under peers_mu_) whenever peers_ changes; its values are unique
+  // in the process, so a lookup cached for another transport never matches.
+  static uint64_t next_peers_version();
+  std::atomic<uint64_t> peers_version_{next_peers_version()};
+  // Some peer listed registers GPU memory with FI_HMEM: only then do
+  // capabilities vary by peer (capabilities_for looks the peer up).
+  std::atomic<bool> any_peer_hmem_{false};
   std::mutex connect_mu_;
   std::unordered_map<uint64_t, ConnectWait> connect_waits_;  // under peers_mu_
   std::condition_variable connect_cv_;                       // with peers_mu_
@@ -359,10 +381,18 @@ class FabricTransport final : public Transport {
 
   std::mutex post_mu_;
   std::condition_variable job_cv_;  // with post_mu_: a job's op completed
+  uint32_t job_waiters_ = 0;        // threads in cancel() on job_cv_; under post_mu_
+  // Most calls are never cancelled: notify only where somebody waits.
+  void notify_job_waiters_locked();
   std::vector<std::unique_ptr<Op>> ops_;
   std::vector<Op*> free_ops_;
   std::deque<std::shared_ptr<Job>> queue_;  // jobs with segments still to post
-  std::unordered_map<Transfer*, std::shared_ptr<Job>> jobs_;
+  // Jobs not finished, each at its live_index (swapped out when it finishes:
+  // no allocation per call); a job's transfer points at it
+  // (Transfer::transport_state) while it is here, for cancel().
+  std::vector<std::shared_ptr<Job>> live_jobs_;
+  void add_live_locked(const std::shared_ptr<Job>& job);
+  void remove_live_locked(Job& job);
   std::deque<Op*> send_queue_;  // sends the provider answered EAGAIN to, in order
   uint64_t inflight_ = 0, inflight_bytes_ = 0;
   std::atomic<bool> backlog_{false};  // send_queue_ or queue_ not empty after the last pump
