@@ -3,7 +3,11 @@
 // blocks of each size into the child's registered buffer with `depth`
 // writes in flight for about `seconds`, and prints GB/s per size.
 //
-//   raw_fi_write [provider] [depth] [seconds] [delivery|transmit]
+//   raw_fi_write [provider] [depth] [seconds] [delivery|transmit] [sizes]
+//
+// sizes: comma-separated bytes (default 4096,65536,1048576,16777216).
+// RAW_PIN=A,B pins the writer to CPU A and the target child to CPU B (as
+// bench/fabric/pinned.sh pins Ferry's two processes).
 //
 // Written for bench/fabric/run.sh; links libfabric directly.
 #include <fcntl.h>
@@ -13,9 +17,11 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -92,11 +98,35 @@ int main(int argc, char** argv) {
   const int depth = argc > 2 ? std::atoi(argv[2]) : 16;
   const double seconds = argc > 3 ? std::atof(argv[3]) : 2.0;
   const bool delivery = argc > 4 ? std::string(argv[4]) == "delivery" : true;
-  const std::vector<size_t> sizes = {4 << 10, 64 << 10, 1 << 20, 16 << 20};
+  std::vector<size_t> sizes = {4 << 10, 64 << 10, 1 << 20, 16 << 20};
+  if (argc > 5) {
+    sizes.clear();
+    const std::string list = argv[5];
+    for (size_t pos = 0; pos <= list.size();) {
+      const size_t next = std::min(list.find(',', pos), list.size());
+      const size_t n = std::strtoull(list.substr(pos, next - pos).c_str(), nullptr, 10);
+      if (n == 0 || n > (16u << 20)) {
+        std::fprintf(stderr, "sizes: 1 to 16777216 bytes each, comma-separated\n");
+        return 2;
+      }
+      sizes.push_back(n);
+      pos = next + 1;
+    }
+  }
+  int pin_parent = -1, pin_child = -1;
+  if (const char* v = std::getenv("RAW_PIN")) std::sscanf(v, "%d,%d", &pin_parent, &pin_child);
+  auto pin = [](int cpu) {
+    if (cpu < 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    sched_setaffinity(0, sizeof set, &set);
+  };
   const size_t buf_bytes = 16 << 20;
   int to_parent[2], to_child[2];
   if (pipe(to_parent) != 0 || pipe(to_child) != 0) return 1;
   const pid_t child = fork();
+  pin(child == 0 ? pin_child : pin_parent);
   if (child == 0) {
     Fabric f;
     if (!open_fabric(f, provider, delivery)) return 1;
