@@ -19,6 +19,7 @@
 
 #include "ferry/engine.h"
 #include "ferry/gpu.h"
+#include "gpu_test_util.h"
 #include "target_process.h"
 #include "tcp_gpu_common.h"
 
@@ -506,9 +507,6 @@ TEST_F(CudaIpc, CopiesStartAfterWorkQueuedOnTheDefaultStream) {
   RemoteDescriptor d = alloc("m", "malloc", 1u << 20);
   void* busy = nullptr;
   ASSERT_EQ(cudaMalloc(&busy, 256u << 20), cudaSuccess);
-  auto keep_default_stream_busy = [&] {
-    for (int i = 0; i < 8; ++i) ASSERT_EQ(cudaMemsetAsync(busy, i, 256u << 20, 0), cudaSuccess);
-  };
   for (size_t batch : {size_t{1}, kBatch}) {
     SCOPED_TRACE(std::to_string(batch) + " block(s)");
     std::vector<LocalIov> l(batch);
@@ -519,7 +517,8 @@ TEST_F(CudaIpc, CopiesStartAfterWorkQueuedOnTheDefaultStream) {
     }
     // Write: the local blocks hold 0x11 until the default stream sets 0x5A.
     ASSERT_EQ(cudaMemset(gpu_, 0x11, kStride * batch), cudaSuccess);
-    keep_default_stream_busy();
+    testing::keep_default_stream_busy(busy, 256u << 20);
+    if (HasFatalFailure()) return;
     ASSERT_EQ(cudaMemsetAsync(gpu_, 0x5A, kStride * batch, 0), cudaSuccess);
     Status s = engine_->write(peer_, l, r);
     ASSERT_TRUE(s.ok()) << s.to_string();
@@ -527,7 +526,8 @@ TEST_F(CudaIpc, CopiesStartAfterWorkQueuedOnTheDefaultStream) {
     EXPECT_EQ(remote_sum("m", 0, expect.size()), gputest::fnv(expect.data(), expect.size()));
     // Read: the remote blocks hold 0x5A; the default stream zeroes the local
     // blocks first, so they must end up 0x5A.
-    keep_default_stream_busy();
+    testing::keep_default_stream_busy(busy, 256u << 20);
+    if (HasFatalFailure()) return;
     ASSERT_EQ(cudaMemsetAsync(gpu_, 0, kStride * batch, 0), cudaSuccess);
     s = engine_->read(peer_, l, r);
     ASSERT_TRUE(s.ok()) << s.to_string();

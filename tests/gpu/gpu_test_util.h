@@ -31,6 +31,13 @@ class GpuTest : public ::testing::Test {
   }
 };
 
+// Queues `rounds` memsets of `scratch` (`bytes` of device memory) on the
+// legacy default stream, so that work queued there next runs well after the
+// call that follows: what a test of ordering after the default stream needs.
+inline void keep_default_stream_busy(void* scratch, size_t bytes, int rounds = 8) {
+  for (int i = 0; i < rounds; ++i) FERRY_CUDA_OK(cudaMemsetAsync(scratch, i, bytes, 0));
+}
+
 enum class Mem { kDevice, kPinned, kRegistered, kPageable, kManaged };
 
 inline const char* mem_name(Mem m) {

@@ -17,6 +17,7 @@
 #include "core/stage_trace.h"
 #include "ferry/engine.h"
 #include "ferry/gpu.h"
+#include "gpu_test_util.h"
 #include "target_process.h"
 #include "tcp_gpu_common.h"
 #include "trace_expect.h"
@@ -228,7 +229,8 @@ TEST_F(TcpGpuMemory, WriteSourceIsReadAfterWorkQueuedOnTheDefaultStream) {
       r[i] = {&remote_gpu_, i * block, block};
     }
     ASSERT_EQ(cudaMemset(local_gpu_, 0x11, stride * batch), cudaSuccess);
-    for (int i = 0; i < 8; ++i) ASSERT_EQ(cudaMemsetAsync(busy, i, 256u << 20, 0), cudaSuccess);
+    testing::keep_default_stream_busy(busy, 256u << 20);
+    if (HasFatalFailure()) return;
     ASSERT_EQ(cudaMemsetAsync(local_gpu_, ++fill, stride * batch, 0), cudaSuccess);
     Status s = engine_->write(peer_, l, r);
     ASSERT_TRUE(s.ok()) << s.to_string();
