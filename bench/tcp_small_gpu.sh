@@ -5,6 +5,8 @@
 #           copy through the submit and watcher threads, the GPU path before them)
 #   kernel  inline copies, a lone one on the copy kernel (FERRY_TCP_GPU_INLINE_ENGINE=0)
 #   nospin  I/O threads never busy-poll (FERRY_TCP_BUSY_POLL_US=0)
+#   wait    every inline copy waited for by its caller, none handed to the
+#           watcher when copies come close together (FERRY_TCP_GPU_HANDOFF_US=0)
 #   on      the defaults (a lone inline copy on the copy engine)
 # The target is a second process, on GPU 1 where there are two.
 #   1. the stage trace of blocking and 8-in-flight transfers, 4/64/256 KiB,
@@ -29,6 +31,7 @@ mode() {
     off) echo "FERRY_TCP_GPU_INLINE_BYTES=0" ;;
     kernel) echo "FERRY_TCP_GPU_INLINE_ENGINE=0" ;;
     nospin) echo "FERRY_TCP_BUSY_POLL_US=0" ;;
+    wait) echo "FERRY_TCP_GPU_HANDOFF_US=0" ;;
     *) echo "FERRY_TCP_GPU_INLINE_ENGINE=1" ;;
   esac
 }

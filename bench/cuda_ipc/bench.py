@@ -306,16 +306,31 @@ class FerryWorker(OneSided):
         self.desc = info["desc"]
         return self.peer.transports()
 
+    # A repeated call is built once (Peer.prepare_write / prepare_read), as NIXL's
+    # handle is (initialize_xfer once, transfer() per call); BENCH_FERRY_API=batch
+    # measures write_batch / read_batch building every call instead.
+    PREPARED = os.environ.get("BENCH_FERRY_API", "prepared") != "batch"
+
     def prepare(self, wl, offs):
+        region = self.regions[wl["mem"]]
+        if self.PREPARED:
+            make = self.peer.prepare_write if wl["op"] == "write" else self.peer.prepare_read
+            return make(region, offs, self.desc, remote_offsets=offs, lengths=wl["block"]).post
         call = self.peer.write_batch if wl["op"] == "write" else self.peer.read_batch
-        return functools.partial(call, self.regions[wl["mem"]], offs, self.desc,
+        return functools.partial(call, region, offs, self.desc,
                                  remote_offsets=offs, lengths=wl["block"], async_=True)
 
     def blocking(self, wl):
         self.check_kind(wl)
-        call = self.peer.write_batch if wl["op"] == "write" else self.peer.read_batch
+        region = self.regions[wl["mem"]]
         offs = np.zeros(1, dtype=np.uint64)
-        return functools.partial(call, self.regions[wl["mem"]], offs, self.desc,
+        if self.PREPARED:
+            make = self.peer.prepare_write if wl["op"] == "write" else self.peer.prepare_read
+            return functools.partial(
+                make(region, offs, self.desc, remote_offsets=offs, lengths=wl["block"]).run,
+                CALL_TIMEOUT)
+        call = self.peer.write_batch if wl["op"] == "write" else self.peer.read_batch
+        return functools.partial(call, region, offs, self.desc,
                                  remote_offsets=offs, lengths=wl["block"], timeout=CALL_TIMEOUT)
 
     @staticmethod

@@ -30,6 +30,7 @@ from ._ferry import (
     Engine as _NativeEngine,
     MemoryKind,
     Peer,
+    PreparedTransfer,
     Region,
     StatusCode,
     Transfer,
@@ -127,7 +128,7 @@ __version__ = version()
 
 __all__ = [
     "ACCESS_READ", "ACCESS_READ_WRITE", "ACCESS_WRITE", "DESCRIPTOR_SIZE",
-    "Descriptor", "Engine", "MemoryKind", "Peer", "Region", "StatusCode", "Transfer",
+    "Descriptor", "Engine", "MemoryKind", "Peer", "PreparedTransfer", "Region", "StatusCode", "Transfer",
     "protocol_version", "version",
     "cuda_available", "cuda_device_count", "cuda_unavailable_reason", "CopyStream", "copy_blocks",
     "FerryError", "Busy", "Cancelled", "InternalError", "InvalidArgument", "NotFound",

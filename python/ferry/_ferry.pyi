@@ -222,6 +222,28 @@ class Transfer:
 
     def __repr__(self) -> str: ...
 
+class PreparedTransfer:
+    """A batch built once by Peer.prepare_write / prepare_read."""
+
+    @property
+    def op(self) -> str: ...
+
+    @property
+    def iovs(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def post(self, notify: object | None = None) -> Transfer:
+        """Post it once more; returns a Transfer. notify: as for Peer.write (writes only)."""
+
+    def run(self, timeout: float | None = None, notify: object | None = None) -> None:
+        """
+        Post it once more and block until it finished (timeout in seconds; on expiry it is cancelled and ferry.Timeout raised).
+        """
+
+    def __repr__(self) -> str: ...
+
 class Peer:
     """A connected remote engine."""
 
@@ -249,6 +271,14 @@ class Peer:
         """
 
     def read_batch(self, region: Region, local_offsets: object, descriptors: object, desc_index: object | None = None, remote_offsets: object | None = None, lengths: object | None = None, timeout: float | None = None, async_: bool = False) -> object: ...
+
+    def prepare_write(self, region: Region, local_offsets: object, descriptors: object, desc_index: object | None = None, remote_offsets: object | None = None, lengths: object | None = None) -> PreparedTransfer:
+        """
+        A write_batch checked and built once, to post many times: PreparedTransfer.post() (async) or .run() (blocking). Same columns as write_batch.
+        """
+
+    def prepare_read(self, region: Region, local_offsets: object, descriptors: object, desc_index: object | None = None, remote_offsets: object | None = None, lengths: object | None = None) -> PreparedTransfer:
+        """A read_batch checked and built once, to post many times."""
 
     def notify(self, payload: object) -> None: ...
 

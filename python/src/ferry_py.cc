@@ -983,6 +983,20 @@ struct PyPeer {
     t_call_start = Clock::now();
     (void)box->get();
     Holder holder;
+    Scratch& s = t_scratch;
+    const uint64_t total = build_batch(op, region, local_offsets, descriptors, desc_index,
+                                       remote_offsets, lengths, s, holder);
+    return submit(op, std::span<const ferry::LocalIov>(s.local),
+                  std::span<const ferry::RemoteIov>(s.remote), notify, timeout, async_,
+                  std::move(holder), total);
+  }
+
+  // Checks the columns and builds the iov arrays of a batch into `s` (the
+  // remote iovs point into s.descs); what must stay alive goes to `holder`.
+  // Returns the bytes in all.
+  uint64_t build_batch(Op op, PyRegion* region, nb::handle local_offsets, nb::handle descriptors,
+                       nb::handle desc_index, nb::handle remote_offsets, nb::handle lengths,
+                       Scratch& s, Holder& holder) {
     char* base = nullptr;
     uint64_t rlen = 0;
     if (region) {
@@ -1016,7 +1030,6 @@ struct PyPeer {
     if (!have_n) n = 1;
     if (n == 0) raise(StatusCode::kInvalidArgument, "a transfer needs at least one iov");
 
-    Scratch& s = t_scratch;
     s.descs.clear();
     if (PyBytes_Check(descriptors.ptr()) || PyByteArray_Check(descriptors.ptr()) ||
         PyMemoryView_Check(descriptors.ptr()) ||
@@ -1093,9 +1106,7 @@ struct PyPeer {
       // Raw addresses (compat path): keep the columns' owners alive for async.
       if (lo.keep.is_valid()) holder.objs.push_back(lo.keep);
     }
-    return submit(op, std::span<const ferry::LocalIov>(s.local.data(), n),
-                  std::span<const ferry::RemoteIov>(s.remote.data(), n), notify, timeout, async_,
-                  std::move(holder), total);
+    return total;
   }
 
   void notify(nb::handle payload) {
@@ -1113,6 +1124,52 @@ struct PyPeer {
     return buf;
   }
 };
+
+// A batch checked and built once, posted many times (Peer.prepare_write /
+// prepare_read): a repeated pattern -- a KV-cache layer's pages, a latency
+// probe -- pays the column checks and descriptor parsing once, as NIXL's
+// prepared transfer handles do. Each post is checked again where it can
+// have changed: the local region still registered here, and by the target
+// (regions, keys, bounds) as always.
+struct PyPrepared {
+  PyPeer peer;
+  Op op = Op::kWrite;
+  PyRegion* region = nullptr;  // kept alive by holder.objs
+  Holder holder;
+  Scratch iovs;
+  uint64_t total = 0;
+
+  PyPrepared() = default;
+  PyPrepared(const PyPrepared&) = delete;
+  PyPrepared& operator=(const PyPrepared&) = delete;
+
+  nb::object post(nb::handle notify, std::optional<double> timeout, bool async_) {
+    t_call_start = Clock::now();
+    if (region) region->require_registered();
+    Holder h;
+    h.objs = holder.objs;
+    return peer.submit(op, std::span<const ferry::LocalIov>(iovs.local),
+                       std::span<const ferry::RemoteIov>(iovs.remote), notify, timeout, async_,
+                       std::move(h), total);
+  }
+
+  std::string repr() const {
+    return "<ferry.PreparedTransfer " + std::string(op_name(op)) +
+           " iovs=" + std::to_string(iovs.local.size()) + " bytes=" + std::to_string(total) + ">";
+  }
+};
+
+nb::object prepare(PyPeer& p, Op op, PyRegion* region, nb::handle lo, nb::handle descs,
+                   nb::handle di, nb::handle ro, nb::handle ln) {
+  (void)p.box->get();
+  if (region == nullptr) raise(StatusCode::kInvalidArgument, "a prepared transfer needs a region");
+  auto x = std::make_unique<PyPrepared>();
+  x->peer = p;
+  x->op = op;
+  x->region = region;
+  x->total = p.build_batch(op, region, lo, descs, di, ro, ln, x->iovs, x->holder);
+  return nb::cast(x.release(), nb::rv_policy::take_ownership);
+}
 
 // ---------------------------------------------------------------------------
 // Engine
@@ -1502,6 +1559,26 @@ NB_MODULE(_ferry, m) {
            "Stop the transfer; afterwards no more bytes move into local memory for it.")
       .def("__repr__", &PyTransfer::repr);
 
+  nb::class_<PyPrepared>(m, "PreparedTransfer",
+                         "A batch built once by Peer.prepare_write / prepare_read.")
+      .def_prop_ro("op", [](const PyPrepared& x) { return op_name(x.op); })
+      .def_prop_ro("iovs", [](const PyPrepared& x) { return x.iovs.local.size(); })
+      .def_prop_ro("nbytes", [](const PyPrepared& x) { return x.total; })
+      .def(
+          "post",
+          [](PyPrepared& x, nb::handle notify) { return x.post(notify, std::nullopt, true); },
+          "notify"_a = nb::none(),
+          "Post it once more; returns a Transfer. notify: as for Peer.write (writes only).")
+      .def(
+          "run",
+          [](PyPrepared& x, std::optional<double> timeout, nb::handle notify) {
+            x.post(notify, timeout, false);
+          },
+          "timeout"_a = nb::none(), "notify"_a = nb::none(),
+          "Post it once more and block until it finished (timeout in seconds; on expiry it is "
+          "cancelled and ferry.Timeout raised).")
+      .def("__repr__", &PyPrepared::repr);
+
   nb::class_<PyPeer>(m, "Peer", "A connected remote engine.")
       .def_prop_ro("id", [](const PyPeer& p) { return p.id; })
       .def(
@@ -1559,6 +1636,23 @@ NB_MODULE(_ferry, m) {
           "region"_a, "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
           "remote_offsets"_a = nb::none(), "lengths"_a = nb::none(), "timeout"_a = nb::none(),
           "async_"_a = false)
+      .def(
+          "prepare_write",
+          [](PyPeer& p, PyRegion* region, nb::handle lo, nb::handle descs, nb::handle di,
+             nb::handle ro,
+             nb::handle ln) { return prepare(p, Op::kWrite, region, lo, descs, di, ro, ln); },
+          "region"_a, "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
+          "remote_offsets"_a = nb::none(), "lengths"_a = nb::none(),
+          "A write_batch checked and built once, to post many times: PreparedTransfer.post() "
+          "(async) or .run() (blocking). Same columns as write_batch.")
+      .def(
+          "prepare_read",
+          [](PyPeer& p, PyRegion* region, nb::handle lo, nb::handle descs, nb::handle di,
+             nb::handle ro,
+             nb::handle ln) { return prepare(p, Op::kRead, region, lo, descs, di, ro, ln); },
+          "region"_a, "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
+          "remote_offsets"_a = nb::none(), "lengths"_a = nb::none(),
+          "A read_batch checked and built once, to post many times.")
       .def(
           "_post_addresses",
           [](PyPeer& p, const std::string& op, nb::handle addrs, nb::handle lengths,

@@ -144,6 +144,52 @@ def test_batch_numpy_fast_path(engine, target):
     assert np.array_equal(dst[:2 * block], got.reshape(-1)[:2 * block])
 
 
+def test_prepared_transfer_posted_many_times(engine, target):
+    """A batch built once and posted again and again moves fresh bytes every time;
+    what changed since it was built (a region deregistered on either side) is refused."""
+    n, block = 64, 4096
+    size = n * block
+    rng = np.random.default_rng(6)
+    desc = target.call("alloc", "p1", size, 17, "rw")
+    peer = engine.connect(target.metadata)
+    src = random_bytes(rng, size)
+    region = engine.register(src)
+    local = np.arange(n, dtype=np.uint64) * block
+    remote = rng.permutation(n).astype(np.uint64) * block
+    w = peer.prepare_write(region, local, desc, remote_offsets=remote, lengths=block)
+    assert (w.op, w.iovs, w.nbytes) == ("write", n, size)
+    dst = np.zeros(size, dtype=np.uint8)
+    r = peer.prepare_read(engine.register(dst), local, desc, remote_offsets=remote, lengths=block)
+    for k in range(5):
+        src[:] = random_bytes(rng, size)  # new bytes each round, same prepared call
+        if k % 2:
+            w.run(timeout=30)
+        else:
+            t = w.post(notify=b"round %d" % k)
+            t.wait(30)
+            assert t.nbytes == size
+            assert target.call("wait_notes", 1, 10.0) == [(engine.id, b"round %d" % k)]
+        got = np.frombuffer(target.call("get", "p1"), dtype=np.uint8).reshape(n, block)
+        assert np.array_equal(got[remote // block], src.reshape(n, block))
+        dst[:] = 0
+        r.post().wait(30)
+        assert np.array_equal(dst, src)
+    with pytest.raises(ferry.InvalidArgument, match="only a write"):
+        r.run(notify=b"x")
+    # Columns are checked when it is built.
+    with pytest.raises(ferry.OutOfRange, match="exceeds region"):
+        peer.prepare_write(region, np.array([size], dtype=np.uint64), desc, lengths=1)
+    # The target revokes the region: the next post is refused by the target.
+    target.call("dereg", "p1")
+    with pytest.raises(ferry.FerryError) as revoked:
+        w.run(timeout=30)
+    assert "region" in str(revoked.value)
+    # The local region deregistered: refused here, before anything moves.
+    region.deregister()
+    with pytest.raises(ferry.NotFound, match="was deregistered"):
+        w.post()
+
+
 def test_batch_100k_entries(engine, target):
     n, block = 100_000, 16
     size = n * block

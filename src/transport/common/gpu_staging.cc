@@ -57,6 +57,9 @@ GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& option
     : pool_(std::move(pool)), opt_(options) {
   if (const char* v = env("TRACE"); v != nullptr && *v == '1') tracing_ = true;
   if (const char* v = env("INLINE_ENGINE"); v != nullptr && *v == '0') inline_engine_ = false;
+  if (const char* v = env("HANDOFF_US"); v != nullptr && *v != 0) {
+    handoff_window_ = std::chrono::microseconds(std::strtoul(v, nullptr, 10));
+  }
   const size_t n = completion_threads(env("COMPLETION_THREADS"));
   for (size_t i = 0; i < n; ++i) {
     callback_threads_.emplace_back([this, thread_prefix] {
@@ -198,6 +201,12 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   if (bytes > opt_.inline_bytes) return false;
   Waiting w;
   w.queued = w.submit_begin = Clock::now();
+  // Copies coming close together (several transfers in flight): the caller
+  // does not wait; the watcher finishes them (see handoff_window_).
+  const int64_t now_ns = w.queued.time_since_epoch().count();
+  const int64_t prev_ns = last_inline_ns_.exchange(now_ns, std::memory_order_relaxed);
+  const bool hand_off = handoff_window_.count() > 0 &&
+                        now_ns - prev_ns < std::chrono::nanoseconds(handoff_window_).count();
   auto s =
       stream(copies.front().device,
              copies.size() == 1 && inline_engine_ ? StreamUse::kInlineEngine : StreamUse::kInline,
@@ -214,7 +223,7 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   }
   // Spin: the copy takes a few microseconds, a sleep or a yield longer.
   const auto give_up = w.submit_end + opt_.inline_wait;
-  for (uint32_t k = 0;; ++k) {
+  for (uint32_t k = 0; !hand_off; ++k) {
     Status st = (*s)->poll(*ticket);
     if (st.code() != StatusCode::kInProgress) {
       if (!st.ok()) st = Status(st.code(), "GPU staging copy failed: " + st.message());
@@ -226,9 +235,12 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
     if ((k & 63) == 63 && Clock::now() >= give_up) break;
     for (int r = 0; r < 4; ++r) cpu_relax();
   }
-  // Still running (a busy GPU): the watcher takes it from here.
+  // Handed off, or still running (a busy GPU): the watcher takes it from
+  // here. A handed-off copy is small: the watcher runs `done` itself rather
+  // than wake a callback thread for it.
   w.tickets.emplace_back(*s, *ticket);
   w.done = std::move(done);
+  w.done_on_watcher = hand_off;
   {
     std::lock_guard lock(mu_);
     waiting_.push_back(std::move(w));
@@ -328,11 +340,17 @@ void GpuPath::watch_loop() {
       if (!status.ok()) {
         status = Status(status.code(), "GPU staging copy failed: " + status.message());
       }
-      {
-        std::lock_guard lock(mu_);
-        finished_.push_back(Finished{std::move(w), std::move(status), Clock::now()});
+      if (w.done_on_watcher) {
+        const auto seen = Clock::now();
+        w.done(status);
+        if (tracing_) trace(w, seen, Clock::now());
+      } else {
+        {
+          std::lock_guard lock(mu_);
+          finished_.push_back(Finished{std::move(w), std::move(status), Clock::now()});
+        }
+        callback_cv_.notify_one();
       }
-      callback_cv_.notify_one();
       mine.pop_front();
       ++finished;
     }

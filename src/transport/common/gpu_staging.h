@@ -15,7 +15,8 @@
 // (submit, watcher, callback, on both sides): ~90-100 us per staging copy of
 // a copy that takes a few, on an H200 machine (docs/gpu.md). A copy still
 // running after GpuPathOptions::inline_wait is handed to the watcher, so a busy GPU
-// cannot hold an I/O thread.
+// cannot hold an I/O thread; so is one that follows the previous inline copy
+// closely (several transfers in flight), so that posting threads keep posting.
 // One watcher thread polls the copies (in submission order, the order they
 // finish on a stream) and hands finished ones to several callback threads, so
 // that frames of different streams are sent in parallel, as the I/O threads
@@ -29,6 +30,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -90,7 +92,8 @@ class GpuPath {
   // threads never make CUDA calls for large copies (a submission takes
   // ~10-40 us of them). Copies of at most `inline_bytes` in total, all on one
   // device, are submitted here and waited for, and `done` runs on this
-  // thread before copy_then returns (unless the wait outlasts `inline_wait`):
+  // thread before copy_then returns (unless the wait outlasts `inline_wait`,
+  // or the copy came close behind another and was handed to the watcher):
   // callers hold no lock that `done` takes. The copies' memory must stay
   // valid until `done`.
   // `after_default_stream`: the copies start only after work queued on their
@@ -141,6 +144,7 @@ class GpuPath {
     Status submit_error;
     std::function<void(Status)> done;
     Clock::time_point queued, submit_begin, submit_end;
+    bool done_on_watcher = false;  // a small copy handed off by copy_inline
   };
   struct Finished {
     Waiting w;
@@ -155,6 +159,15 @@ class GpuPath {
   // A lone inline copy goes to the copy engine (StreamUse::kInlineEngine);
   // FERRY_<USER>_GPU_INLINE_ENGINE=0 (measurement only) sends it to the kernel.
   bool inline_engine_ = true;
+  // An inline copy that starts within this window of the previous one is
+  // not waited for by its caller: the watcher finishes it and runs `done`.
+  // One blocking transfer at a time keeps the spin (no hand-off wake-up in
+  // its latency); with several in flight the posting thread spun ~9 us per
+  // 4 KiB write on an H100 machine, and that bounded the transfers per
+  // second (docs/gpu.md). FERRY_<USER>_GPU_HANDOFF_US (0 = never; for
+  // measurement) overrides it.
+  std::chrono::microseconds handoff_window_{20};
+  std::atomic<int64_t> last_inline_ns_{0};
   std::mutex trace_mu_;
   std::vector<std::array<float, 4>> trace_;
 
