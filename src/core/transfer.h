@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "core/stage_trace.h"
 #include "ferry/status.h"
@@ -80,6 +81,10 @@ class Transfer {
   const TransferOp op_;
   const PeerId peer_;
   std::atomic<bool> finished_{false};
+  std::atomic<bool> completing_{false};  // a complete() call won
+  // Threads asleep (or about to sleep) on cv_ for finished_: complete() takes
+  // mu_ to wake them only then, not on every call.
+  mutable std::atomic<uint32_t> sleepers_{0};
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   Status status_;
@@ -88,8 +93,13 @@ class Transfer {
 };
 
 // Live transfers by id. Ids grow from 1 and are never reused.
+//
+// An open-addressing table (Robin Hood linear probing, an id's home slot is
+// id & mask): no node allocation per transfer. Live ids are mostly one run
+// of consecutive ids, so each usually sits in its home slot.
 class TransferTable {
  public:
+  TransferTable();
   std::shared_ptr<Transfer> create(TransferOp op, PeerId peer);
   std::shared_ptr<Transfer> find(TransferId id) const;
   // The same; one that has finished also leaves the table (*taken: its final
@@ -102,8 +112,21 @@ class TransferTable {
   void fail_all(const Status& status);
 
  private:
+  static constexpr TransferId kEmpty = 0;
+  struct Slot {
+    TransferId id = kEmpty;
+    std::shared_ptr<Transfer> transfer;
+  };
+  static constexpr size_t kMinSlots = 64;
+  // mu_ held: the slot holding `id`, or slots_.size().
+  size_t index_of(TransferId id) const;
+  void place(Slot s);
+  void erase_at(size_t i);
+  void resize(size_t slots);
+
   mutable std::mutex mu_;
-  std::unordered_map<TransferId, std::shared_ptr<Transfer>> live_;
+  std::vector<Slot> slots_;  // a power of two, at most half full
+  size_t live_ = 0;
   TransferId next_id_ = 1;
 };
 

@@ -16,6 +16,7 @@
 #include <csignal>
 #include <cstring>
 
+#include "core/block_cache.h"
 #include "core/byte_codec.h"
 #include "core/cpu_relax.h"
 #include "core/thread_name.h"
@@ -103,6 +104,14 @@ struct PeerCache {
   std::shared_ptr<Peer> peer;
 };
 thread_local PeerCache t_peer_cache;
+// The key this thread got last from a peer's grants (FabricTransport::grant_for).
+struct GrantCache {
+  std::shared_ptr<Peer> peer;  // held: its address is not reused while cached
+  uint64_t revoke_gen = 0;
+  GrantKey key;
+  RemoteKey value;
+};
+thread_local GrantCache t_grant_cache;
 std::atomic<uint64_t> g_peers_version{0};
 
 int64_t now_ns() {
@@ -770,10 +779,23 @@ Result<std::shared_ptr<Peer>> FabricTransport::live_peer(PeerId peer) const {
 // --- keys ---------------------------------------------------------------------
 
 Result<RemoteKey> FabricTransport::grant_for(const std::shared_ptr<Peer>& p,
-                                             const RemoteAccessRequest& r) {
+                                             const RemoteAccessRequest& r, uint64_t revoke_gen) {
   const GrantKey key = key_of(r);
+  // Calls on one descriptor, one after another, find its key without p->mu.
+  // An entry is good while no REVOKE came (revoke_gen as read before this
+  // lookup): a grant is dropped only by a REVOKE, which raises it, or with
+  // the peer's death, which post() checks under post_mu_ anyway.
+  GrantCache& c = t_grant_cache;
+  if (c.peer == p && c.revoke_gen == revoke_gen && c.key == key) return c.value;
+  auto remember = [&](const RemoteKey& k) {
+    if (c.peer != p) c.peer = p;
+    c.revoke_gen = revoke_gen;
+    c.key = key;
+    c.value = k;
+    return k;
+  };
   std::unique_lock lock(p->mu);
-  if (auto it = p->grants.find(key); it != p->grants.end()) return it->second;
+  if (auto it = p->grants.find(key); it != p->grants.end()) return remember(it->second);
   const uint64_t request = next_request_.fetch_add(1);
   p->grant_waits[request] = {};
   lock.unlock();
@@ -802,7 +824,7 @@ Result<RemoteKey> FabricTransport::grant_for(const std::shared_ptr<Peer>& p,
   RemoteKey k{w.grant.mr_key, w.grant.base};
   p->grants[key] = k;
   p->revoked.erase(r.region_id);
-  return k;
+  return remember(k);
 }
 
 Result<void*> FabricTransport::local_desc(const Segment& s) {
@@ -1114,7 +1136,8 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     }
     if (s.local_device >= 0) (hmem_ ? gpu_direct : staged) = true;
   }
-  auto job = std::make_shared<Job>();
+  // From the per-thread block cache (core/block_cache.h): no malloc per call.
+  auto job = std::allocate_shared<Job>(BlockCacheAllocator<Job>());
   job->transfer = t;
   job->peer = *p;
   job->write = write;
@@ -1136,7 +1159,7 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
   for (size_t i = 0; i < segs.size(); ++i) {
     const RemoteAccessRequest& r = segs[i].remote;
     if (!last || key_of(*last) != key_of(r)) {
-      auto k = grant_for(*p, r);
+      auto k = grant_for(*p, r, revoke_gen);
       if (!k.ok()) {
         // Refusals are the transfer's result, as tcp reports them.
         t->complete(k.status());

@@ -268,7 +268,10 @@ class FabricTransport final : public Transport {
   // peers_mu_ held, peers_ changed (`added`: the peer listed, if any):
   // every thread's cached lookup is stale.
   void peers_changed_locked(const Peer* added);
-  Result<RemoteKey> grant_for(const std::shared_ptr<Peer>& p, const RemoteAccessRequest& r);
+  // The key for r's descriptor: cached, or asked of the peer (GRANT_REQ).
+  // `revoke_gen`: p->revoke_gen as read before the call's lookups.
+  Result<RemoteKey> grant_for(const std::shared_ptr<Peer>& p, const RemoteAccessRequest& r,
+                              uint64_t revoke_gen);
   Result<void*> local_desc(const Segment& s);
   // fi_mr_reg, or fi_mr_regattr with FI_HMEM_CUDA for `device` >= 0; bound
   // to the endpoint under FI_MR_ENDPOINT. Returns the provider's code.
