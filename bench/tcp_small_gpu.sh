@@ -7,6 +7,8 @@
 #   nospin  I/O threads never busy-poll (FERRY_TCP_BUSY_POLL_US=0)
 #   wait    every inline copy waited for by its caller, none handed to the
 #           watcher when copies come close together (FERRY_TCP_GPU_HANDOFF_US=0)
+#   whole   GPU transfers striped over the streams only from 512 KiB shares, as
+#           host memory (FERRY_TCP_GPU_MIN_STRIPE_BYTES=512KiB; default 32 KiB)
 #   on      the defaults (a lone inline copy on the copy engine)
 # The target is a second process, on GPU 1 where there are two.
 #   1. the stage trace of blocking and 8-in-flight transfers, 4/64/256 KiB,
@@ -32,6 +34,7 @@ mode() {
     kernel) echo "FERRY_TCP_GPU_INLINE_ENGINE=0" ;;
     nospin) echo "FERRY_TCP_BUSY_POLL_US=0" ;;
     wait) echo "FERRY_TCP_GPU_HANDOFF_US=0" ;;
+    whole) echo "FERRY_TCP_GPU_MIN_STRIPE_BYTES=512KiB" ;;
     *) echo "FERRY_TCP_GPU_INLINE_ENGINE=1" ;;
   esac
 }

@@ -209,6 +209,71 @@ TEST_F(TcpGpuMemory, AsyncWritesInFlightTogether) {
             "sum " + std::to_string(gputest::fnv(image.data(), image.size())));
 }
 
+TEST_F(TcpGpuMemory, SmallTransfersPostedBackToBack) {
+  // Many small transfers posted back to back, as a serving loop does: a
+  // posting thread copying close behind its previous copy hands it to the
+  // GPU path's watcher instead of waiting (gpu_staging.h), and 48 KiB ones
+  // are striped into frames whose copies are submitted together. Every
+  // direction, writes and reads, each transfer's own bytes checked.
+  constexpr size_t kCount = 96;
+  uint64_t seed = 500;
+  for (uint64_t block : {uint64_t{4096}, uint64_t{48u << 10}}) {
+    for (int kinds = 1; kinds < 4; ++kinds) {  // host->gpu, gpu->host, gpu->gpu
+      const bool local_gpu = (kinds & 2) != 0, remote_gpu = (kinds & 1) != 0;
+      for (bool write : {true, false}) {
+        SCOPED_TRACE(name({local_gpu, remote_gpu, write, block, kCount}));
+        ++seed;
+        const uint64_t span = block * kCount;
+        ASSERT_EQ(target_.ask("fill " + std::to_string(seed)), "ok");
+        std::vector<uint8_t> remote_image(kRemoteSize);
+        gputest::fill(remote_image.data(), kRemoteSize, remote_gpu ? seed : seed + 1);
+        std::vector<uint8_t> local_image(span);
+        gputest::fill(local_image.data(), span, seed * 13 + 1);
+        const Case c{local_gpu, remote_gpu, write, block, kCount};
+        put_local(c, local_image);
+        uint8_t* base = local_gpu ? static_cast<uint8_t*>(local_gpu_) : local_host_.data();
+        const RemoteDescriptor& remote = remote_gpu ? remote_gpu_ : remote_host_;
+        // Transfer i: local block i <-> remote block kCount-1-i.
+        std::vector<LocalIov> l(kCount);
+        std::vector<RemoteIov> r(kCount);
+        std::vector<TransferId> ids;
+        for (size_t i = 0; i < kCount; ++i) {
+          l[i] = {base + i * block, block};
+          r[i] = {&remote, (kCount - 1 - i) * block, block};
+          auto id = write ? engine_->write_async(peer_, std::span(&l[i], 1), std::span(&r[i], 1))
+                          : engine_->read_async(peer_, std::span(&l[i], 1), std::span(&r[i], 1));
+          ASSERT_TRUE(id.ok()) << id.status().to_string();
+          ids.push_back(*id);
+        }
+        for (auto id : ids) {
+          Status st = engine_->wait(id, std::chrono::seconds(30));
+          ASSERT_TRUE(st.ok()) << st.to_string();
+        }
+        std::vector<uint8_t> expect(span);
+        for (size_t i = 0; i < kCount; ++i) {
+          const uint8_t* from = write ? local_image.data() + i * block
+                                      : remote_image.data() + (kCount - 1 - i) * block;
+          std::copy_n(
+              from, block,
+              expect.begin() + static_cast<long>(write ? (kCount - 1 - i) * block : i * block));
+        }
+        if (write) {
+          EXPECT_EQ(target_.ask(std::string("sum ") + (remote_gpu ? "gpu" : "host") + " 0 " +
+                                std::to_string(span)),
+                    "sum " + std::to_string(gputest::fnv(expect.data(), span)))
+              << "remote bytes differ from what was written";
+        } else {
+          const auto got = get_local(c, span);
+          for (size_t i = 0; i < kCount; ++i) {
+            ASSERT_EQ(0, std::memcmp(expect.data() + i * block, got.data() + i * block, block))
+                << "transfer " << i << " read wrong bytes";
+          }
+        }
+      }
+    }
+  }
+}
+
 // A write's GPU source is staged only after work queued on the legacy
 // default stream (where PyTorch fills tensors) before the call: the buffer is
 // set to 0x5A there, behind long memsets, just before each write. One 4 KiB

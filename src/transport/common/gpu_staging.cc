@@ -29,6 +29,9 @@ size_t completion_threads(const char* v) {
 // turns at that stream's lock while they poll. Threads beyond kInlineLanes
 // share lanes.
 constexpr uint32_t kInlineLanes = 16;
+
+// How long the watcher stays awake after a handed-off copy (see watch_loop).
+constexpr std::chrono::microseconds kWatcherLinger{200};
 uint32_t inline_lane() {
   static std::atomic<uint32_t> next{0};
   thread_local const uint32_t lane = next.fetch_add(1, std::memory_order_relaxed) % kInlineLanes;
@@ -190,23 +193,19 @@ bool GpuPath::take(std::condition_variable& cv, std::deque<T>& queue, const bool
   return true;
 }
 
-bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
-                          bool after_default_stream) {
+bool GpuPath::inline_eligible(const std::vector<DeviceCopy>& copies) const {
   if (copies.empty()) return false;
   uint64_t bytes = 0;
   for (const auto& c : copies) {
     if (c.device != copies.front().device) return false;
     bytes += c.block.size;
   }
-  if (bytes > opt_.inline_bytes) return false;
-  Waiting w;
-  w.queued = w.submit_begin = Clock::now();
-  // Copies coming close together (several transfers in flight): the caller
-  // does not wait; the watcher finishes them (see handoff_window_).
-  const int64_t now_ns = w.queued.time_since_epoch().count();
-  const int64_t prev_ns = last_inline_ns_.exchange(now_ns, std::memory_order_relaxed);
-  const bool hand_off = handoff_window_.count() > 0 &&
-                        now_ns - prev_ns < std::chrono::nanoseconds(handoff_window_).count();
+  return bytes <= opt_.inline_bytes;
+}
+
+bool GpuPath::submit_inline(const std::vector<DeviceCopy>& copies, bool after_default_stream,
+                            InlineCopy* out) {
+  out->w.queued = out->w.submit_begin = Clock::now();
   auto s =
       stream(copies.front().device,
              copies.size() == 1 && inline_engine_ ? StreamUse::kInlineEngine : StreamUse::kInline,
@@ -215,22 +214,28 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   std::vector<CopyBlock> blocks;
   blocks.reserve(copies.size());
   for (const auto& c : copies) blocks.push_back(c.block);
-  auto ticket = (*s)->submit(blocks);
-  w.submit_end = Clock::now();
-  if (!ticket.ok()) {
-    done(Status(ticket.status().code(), "GPU staging copy failed: " + ticket.status().message()));
-    return true;
+  out->stream = *s;
+  out->ticket = (*s)->submit(blocks);
+  out->w.submit_end = Clock::now();
+  return true;
+}
+
+void GpuPath::finish_inline(InlineCopy& c, std::function<void(Status)>& done, bool hand_off) {
+  if (!c.ticket.ok()) {
+    done(Status(c.ticket.status().code(),
+                "GPU staging copy failed: " + c.ticket.status().message()));
+    return;
   }
   // Spin: the copy takes a few microseconds, a sleep or a yield longer.
-  const auto give_up = w.submit_end + opt_.inline_wait;
+  const auto give_up = c.w.submit_end + opt_.inline_wait;
   for (uint32_t k = 0; !hand_off; ++k) {
-    Status st = (*s)->poll(*ticket);
+    Status st = c.stream->poll(*c.ticket);
     if (st.code() != StatusCode::kInProgress) {
       if (!st.ok()) st = Status(st.code(), "GPU staging copy failed: " + st.message());
       const auto seen = Clock::now();
       done(st);
-      if (tracing_) trace(w, seen, Clock::now());
-      return true;
+      if (tracing_) trace(c.w, seen, Clock::now());
+      return;
     }
     if ((k & 63) == 63 && Clock::now() >= give_up) break;
     for (int r = 0; r < 4; ++r) cpu_relax();
@@ -238,15 +243,65 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   // Handed off, or still running (a busy GPU): the watcher takes it from
   // here. A handed-off copy is small: the watcher runs `done` itself rather
   // than wake a callback thread for it.
-  w.tickets.emplace_back(*s, *ticket);
-  w.done = std::move(done);
-  w.done_on_watcher = hand_off;
+  c.w.tickets.emplace_back(c.stream, *c.ticket);
+  c.w.done = std::move(done);
+  c.w.done_on_watcher = hand_off;
   {
     std::lock_guard lock(mu_);
-    waiting_.push_back(std::move(w));
+    waiting_.push_back(std::move(c.w));
+    waiting_count_.fetch_add(1, std::memory_order_release);
   }
   watch_cv_.notify_one();
+}
+
+bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
+                          bool after_default_stream) {
+  if (!inline_eligible(copies)) return false;
+  InlineCopy c;
+  if (!submit_inline(copies, after_default_stream, &c)) return false;
+  // A thread posting copies close together (several transfers in flight)
+  // does not wait for them; the watcher finishes them (see handoff_window_).
+  // Per thread: the I/O threads of a target, each copying the frames of its
+  // own stream, keep spinning in parallel rather than funnel into the watcher.
+  thread_local Clock::time_point last_inline{};
+  const bool hand_off =
+      handoff_window_.count() > 0 && c.w.queued - last_inline < Clock::duration(handoff_window_);
+  last_inline = c.w.queued;
+  finish_inline(c, done, hand_off);
   return true;
+}
+
+void GpuPath::copy_each_then(std::vector<std::vector<DeviceCopy>> groups,
+                             std::vector<std::function<void(Status)>> done,
+                             bool after_default_stream) {
+  bool all_inline = groups.size() > 1;
+  for (const auto& g : groups) all_inline = all_inline && inline_eligible(g);
+  if (all_inline) {
+    for (const auto& g : groups) {
+      all_inline = all_inline && g.front().device == groups.front().front().device;
+    }
+  }
+  std::vector<InlineCopy> submitted(all_inline ? groups.size() : 0);
+  for (size_t k = 0; k < submitted.size(); ++k) {
+    if (!submit_inline(groups[k], after_default_stream, &submitted[k])) {
+      // No stream: what was submitted finishes here, the rest is queued
+      // (and reports the error).
+      for (size_t j = 0; j < k; ++j) finish_inline(submitted[j], done[j], false);
+      for (size_t j = k; j < groups.size(); ++j) {
+        copy_then(std::move(groups[j]), std::move(done[j]), after_default_stream);
+      }
+      return;
+    }
+  }
+  if (all_inline) {
+    // Every copy is queued on the GPU before the first is waited for: the
+    // first frame goes out while the later copies still run.
+    for (size_t k = 0; k < submitted.size(); ++k) finish_inline(submitted[k], done[k], false);
+    return;
+  }
+  for (size_t k = 0; k < groups.size(); ++k) {
+    copy_then(std::move(groups[k]), std::move(done[k]), after_default_stream);
+  }
 }
 
 void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
@@ -288,6 +343,7 @@ void GpuPath::submit_loop() {
     {
       std::lock_guard lock(mu_);
       waiting_.push_back(std::move(w));
+      waiting_count_.fetch_add(1, std::memory_order_release);
     }
     watch_cv_.notify_one();
   }
@@ -310,13 +366,23 @@ void GpuPath::watch_loop() {
   std::deque<Waiting> mine;
   auto idle_since = Clock::now();
   auto nap = std::chrono::microseconds(0);
+  // After finishing a handed-off copy the watcher stays awake a while: the
+  // next one of a burst of transfers is due within microseconds, and a
+  // sleeping watcher took ~60 us to wake for it (H100 machine).
+  Clock::time_point linger_until{};
   for (;;) {
+    if (mine.empty()) {
+      while (waiting_count_.load(std::memory_order_acquire) == 0 && Clock::now() < linger_until) {
+        std::this_thread::yield();
+      }
+    }
     {
       std::unique_lock lock(mu_);
       if (mine.empty()) {
         watch_cv_.wait(lock, [&] { return stop_watch_ || !waiting_.empty(); });
         if (waiting_.empty()) return;
       }
+      waiting_count_.store(0, std::memory_order_relaxed);
       while (!waiting_.empty()) {
         mine.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
@@ -344,6 +410,7 @@ void GpuPath::watch_loop() {
         const auto seen = Clock::now();
         w.done(status);
         if (tracing_) trace(w, seen, Clock::now());
+        linger_until = Clock::now() + kWatcherLinger;
       } else {
         {
           std::lock_guard lock(mu_);

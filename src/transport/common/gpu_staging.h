@@ -103,6 +103,14 @@ class GpuPath {
   // the data would hold its own copy back.
   void copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
                  bool after_default_stream = false);
+  // Several frames' copies: `done[k]` runs once groups[k] finished. Where
+  // every group is small enough for the inline path (and all are on one
+  // device), all are submitted before the first is waited for, so the first
+  // frame goes out while the later copies still run; otherwise each group
+  // goes through copy_then.
+  void copy_each_then(std::vector<std::vector<DeviceCopy>> groups,
+                      std::vector<std::function<void(Status)>> done,
+                      bool after_default_stream = false);
   // Runs `job` on the job thread, in submission order.
   void run(std::function<void()> job);
 
@@ -123,6 +131,14 @@ class GpuPath {
   // The inline path of copy_then; false if the copies are not for it.
   bool copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
                    bool after_default_stream);
+  // Its steps: small enough and on one device; submitted on the calling
+  // thread's stream (false: no stream); waited for (spinning), or handed to
+  // the watcher when `hand_off` or the wait outlasts inline_wait.
+  struct InlineCopy;
+  bool inline_eligible(const std::vector<DeviceCopy>& copies) const;
+  bool submit_inline(const std::vector<DeviceCopy>& copies, bool after_default_stream,
+                     InlineCopy* out);
+  void finish_inline(InlineCopy& c, std::function<void(Status)>& done, bool hand_off);
   // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
   // `out`; false once `stop` is set and the queue is drained.
   template <typename T>
@@ -146,6 +162,11 @@ class GpuPath {
     Clock::time_point queued, submit_begin, submit_end;
     bool done_on_watcher = false;  // a small copy handed off by copy_inline
   };
+  struct InlineCopy {
+    Waiting w;
+    CopyStream* stream = nullptr;
+    Result<uint64_t> ticket = err::Internal("not submitted");
+  };
   struct Finished {
     Waiting w;
     Status status;
@@ -167,7 +188,6 @@ class GpuPath {
   // second (docs/gpu.md). FERRY_<USER>_GPU_HANDOFF_US (0 = never; for
   // measurement) overrides it.
   std::chrono::microseconds handoff_window_{20};
-  std::atomic<int64_t> last_inline_ns_{0};
   std::mutex trace_mu_;
   std::vector<std::array<float, 4>> trace_;
 
@@ -186,11 +206,12 @@ class GpuPath {
   std::condition_variable submit_cv_, job_cv_, watch_cv_, callback_cv_;
   std::deque<Submit> submits_;
   std::deque<std::function<void()>> jobs_;
-  std::deque<Waiting> waiting_;    // submitted, for the watcher
-  std::deque<Finished> finished_;  // for the callback threads
-  bool stop_ = false;              // job and submit threads: drain, then exit
-  bool stop_watch_ = false;        // watcher: drain, then exit
-  bool stop_callbacks_ = false;    // callback threads: drain, then exit
+  std::deque<Waiting> waiting_;           // submitted, for the watcher
+  std::atomic<size_t> waiting_count_{0};  // pushed to waiting_ since the watcher last took
+  std::deque<Finished> finished_;         // for the callback threads
+  bool stop_ = false;                     // job and submit threads: drain, then exit
+  bool stop_watch_ = false;               // watcher: drain, then exit
+  bool stop_callbacks_ = false;           // callback threads: drain, then exit
   std::thread watch_thread_;
   std::vector<std::thread> callback_threads_;
   std::thread job_thread_;

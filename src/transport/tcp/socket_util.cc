@@ -16,7 +16,9 @@
 
 namespace ferry::tcp {
 
-std::string errno_text(int err) { return fmt::format("{} (errno {})", std::strerror(err), err); }
+std::string errno_text(int err) {
+  return fmt::format("{} (errno {})", std::strerror(err), err);
+}
 
 std::string SocketAddress::to_string() const {
   char host[INET6_ADDRSTRLEN] = "?";
@@ -121,8 +123,8 @@ Result<int> connect_to(const SocketAddress& address, std::chrono::milliseconds t
     rc = ::poll(&p, 1, static_cast<int>(timeout.count()));
     if (rc == 0) {
       ::close(fd);
-      return err::PeerDisconnected(fmt::format("connect to {} timed out after {} ms",
-                                               address.to_string(), timeout.count()));
+      return err::PeerDisconnected(
+          fmt::format("connect to {} timed out after {} ms", address.to_string(), timeout.count()));
     }
     int soerr = 0;
     socklen_t len = sizeof soerr;
@@ -182,7 +184,8 @@ Status blocking_io(int fd, size_t n, std::chrono::milliseconds timeout, short ev
       done += static_cast<size_t>(r);
       continue;
     }
-    if (r == 0) return err::PeerDisconnected(fmt::format("peer closed the connection during {}", what));
+    if (r == 0)
+      return err::PeerDisconnected(fmt::format("peer closed the connection during {}", what));
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
       return err::PeerDisconnected(fmt::format("{} failed: {}", what, errno_text(errno)));

@@ -76,12 +76,17 @@ uint64_t total_bytes(const std::vector<Segment>& segments) {
 // stream (and the target's I/O thread behind it) carries a share: a blocking
 // 1 MiB write over 2 streams goes as 2 x 512 KiB frames received in parallel,
 // not as one 1 MiB frame on one stream (2.45 -> 3.43 GB/s, A/B median of 7).
-uint64_t stripe_chunk(uint64_t chunk, uint64_t total, size_t streams) {
-  constexpr uint64_t kMinStripe = 512 << 10;  // smaller shares lost (256 KiB: 2.15 -> 1.62 GB/s)
+// Host memory: shares below 512 KiB lost (256 KiB: 2.15 -> 1.62 GB/s).
+constexpr uint64_t kMinStripe = 512 << 10;
+// GPU memory on either side: tcp.gpu_min_stripe_bytes (32 KiB). Each frame's
+// staging copies (a few microseconds each, on both sides) run in parallel
+// with the other frames' and with the wire, so smaller shares pay.
+
+uint64_t stripe_chunk(uint64_t chunk, uint64_t total, size_t streams, uint64_t min_stripe) {
   if (streams <= 1 || total >= chunk * streams) return chunk;
   uint64_t share = (total + streams - 1) / streams;
   share = (share + 4095) & ~uint64_t{4095};
-  return std::clamp<uint64_t>(share, std::min(kMinStripe, chunk), chunk);
+  return std::clamp<uint64_t>(share, std::min(min_stripe, chunk), chunk);
 }
 
 Status status_from_wire(uint32_t code, std::string message) {
@@ -190,9 +195,11 @@ Result<TcpTransport::PostPlan> TcpTransport::plan_post(PeerId peer,
     if (auto g = gpu(); !g.ok()) return g.status();
   }
   // Frames touching GPU memory on either side fit one staging slot.
-  plan.chunk = stripe_chunk(
-      gpu_involved ? std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload) : opt_.chunk_bytes,
-      total_bytes(segments), plan.group->streams.size());
+  plan.chunk = gpu_involved ? stripe_chunk(std::min<uint64_t>(opt_.chunk_bytes, kGpuFramePayload),
+                                           total_bytes(segments), plan.group->streams.size(),
+                                           opt_.gpu_min_stripe)
+                            : stripe_chunk(opt_.chunk_bytes, total_bytes(segments),
+                                           plan.group->streams.size(), kMinStripe);
   return plan;
 }
 
@@ -262,37 +269,59 @@ void TcpTransport::post_staged(
   const size_t n = group.streams.size();
   const uint32_t first = group.next_stream.fetch_add(static_cast<uint32_t>(frames.size()));
   GpuPath* path = gpu_.get();
+  // Frames with a slot at once: their copies are submitted together
+  // (copy_each_then), each frame sent as its own copy finishes.
+  std::vector<std::vector<DeviceCopy>> ready_copies;
+  std::vector<std::function<void(Status)>> ready_done;
   for (size_t k = 0; k < frames.size(); ++k) {
     auto stream = group.streams[(first + k) % n];
     auto frame = std::make_shared<std::unique_ptr<TxFrame>>(std::move(frames[k].first));
     auto pieces = std::make_shared<std::vector<Piece>>(std::move(frames[k].second));
-    auto stage = [this, path, transfer, stream, frame, pieces](std::unique_ptr<StagingSlot> slot) {
+    // The copy's source is the caller's GPU memory; the frame goes on its
+    // stream once the copy is done.
+    auto copied = [this, transfer, stream, frame](Status st) {
+      if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopyDone);
+      transfer->tx_end();
+      if (!st.ok()) {
+        fail_transfer(*transfer, st);
+      } else if (!enqueue_on(*stream, std::move(*frame))) {
+        fail_transfer(*transfer, err::PeerDisconnected(fmt::format(
+                                     "connection to peer {} is closed", hex_id(transfer->peer()))));
+      }
+    };
+    // Fills the slot's copies; false if the transfer was cancelled.
+    auto fill = [transfer, frame, pieces](std::unique_ptr<StagingSlot> slot,
+                                          std::vector<DeviceCopy>* copies) {
       {
         std::lock_guard lock(transfer->io_mu);
-        if (transfer->cancelled) return;
+        if (transfer->cancelled) return false;
       }
-      auto copies = stage_pieces((*frame)->cursor, *pieces, slot->data(), true);
+      *copies = stage_pieces((*frame)->cursor, *pieces, slot->data(), true);
       (*frame)->slot = std::move(slot);
       transfer->tx_begin();  // the copy reads the caller's GPU memory
       if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopySubmitted);
-      // The write's source: after what the caller queued on the default
-      // stream (a PyTorch kernel may still be filling it).
-      path->copy_then(
-          std::move(copies),
-          [this, transfer, stream, frame](Status st) {
-            if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopyDone);
-            transfer->tx_end();
-            if (!st.ok()) {
-              fail_transfer(*transfer, st);
-            } else if (!enqueue_on(*stream, std::move(*frame))) {
-              fail_transfer(*transfer,
-                            err::PeerDisconnected(fmt::format("connection to peer {} is closed",
-                                                              hex_id(transfer->peer()))));
-            }
-          },
-          /*after_default_stream=*/true);
+      return true;
     };
-    if (auto slot = path->slot_or_later(stage)) stage(std::move(slot));
+    // A slot released later: this frame's copy alone, on the job thread.
+    // The write's source: after what the caller queued on the default
+    // stream (a PyTorch kernel may still be filling it).
+    auto later = [path, fill, copied](std::unique_ptr<StagingSlot> slot) {
+      std::vector<DeviceCopy> copies;
+      if (fill(std::move(slot), &copies)) {
+        path->copy_then(std::move(copies), copied, /*after_default_stream=*/true);
+      }
+    };
+    if (auto slot = path->slot_or_later(later)) {
+      std::vector<DeviceCopy> copies;
+      if (fill(std::move(slot), &copies)) {
+        ready_copies.push_back(std::move(copies));
+        ready_done.push_back(std::move(copied));
+      }
+    }
+  }
+  if (!ready_copies.empty()) {
+    path->copy_each_then(std::move(ready_copies), std::move(ready_done),
+                         /*after_default_stream=*/true);
   }
 }
 

@@ -3,8 +3,8 @@
 
 namespace ferry::tcp {
 namespace {
-const bool kRegistered = register_transport(
-    {"tcp", 100, [] { return std::unique_ptr<Transport>(new TcpTransport()); },
-     std::span<const OptionSpec>(kTcpOptionSpecs, kTcpOptionSpecCount)});
+const bool kRegistered =
+    register_transport({"tcp", 100, [] { return std::unique_ptr<Transport>(new TcpTransport()); },
+                        std::span<const OptionSpec>(kTcpOptionSpecs, kTcpOptionSpecCount)});
 }  // namespace
 }  // namespace ferry::tcp

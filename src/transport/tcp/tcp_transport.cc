@@ -48,6 +48,11 @@ const OptionSpec kTcpOptionSpecs[] = {
      "waits for them (no hand-off to the GPU path's threads; 0: never). Larger ones overlap "
      "better on the GPU path's threads when several are in flight (docs/gpu.md)",
      0, 1 << 20},
+    {"tcp.gpu_min_stripe_bytes", OptionType::kBytes, "32KiB",
+     "a transfer touching GPU memory is striped over the streams in shares of at least this "
+     "many bytes (host memory: 512 KiB), so that the frames' staging copies run in parallel, "
+     "on both sides",
+     4 << 10, 1 << 20},
     {"tcp.gpu_inline_wait_us", OptionType::kUint, "500",
      "longest an inline staging copy is waited for before its completion is handed to the "
      "GPU path's threads (a busy GPU must not hold an I/O thread)",
@@ -356,6 +361,7 @@ Status TcpTransport::start(const TransportContext& context) {
   opt_.gpu_sm_budget = static_cast<uint32_t>(o.get_uint("tcp.gpu_sm_budget"));
   opt_.gpu_inline_bytes = o.get_uint("tcp.gpu_inline_bytes");
   opt_.gpu_inline_wait = std::chrono::microseconds(o.get_uint("tcp.gpu_inline_wait_us"));
+  opt_.gpu_min_stripe = o.get_uint("tcp.gpu_min_stripe_bytes");
   opt_.trace = o.get_bool("tcp.trace");
   opt_.trace_keep = o.get_uint("tcp.trace_keep");
   if (opt_.trace) trace_log_ = trace_log_for(ctx_.engine_id, opt_.trace_keep);

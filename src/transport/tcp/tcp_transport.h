@@ -56,6 +56,7 @@ struct TcpOptions {
   uint32_t gpu_sm_budget = 4;
   uint64_t gpu_inline_bytes = 64 << 10;
   std::chrono::microseconds gpu_inline_wait{500};
+  uint64_t gpu_min_stripe = 32 << 10;
   bool trace = false;  // tcp.trace: stage trace of every transfer this engine initiates
   uint64_t trace_keep = 4096;
 };

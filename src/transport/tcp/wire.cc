@@ -8,12 +8,18 @@ namespace ferry::tcp {
 
 const char* op_name(uint8_t op) {
   switch (static_cast<Op>(op)) {
-    case Op::kWrite: return "WRITE";
-    case Op::kWriteAck: return "WRITE_ACK";
-    case Op::kReadRequest: return "READ_REQUEST";
-    case Op::kReadResponse: return "READ_RESPONSE";
-    case Op::kNotify: return "NOTIFY";
-    case Op::kNotifyAck: return "NOTIFY_ACK";
+    case Op::kWrite:
+      return "WRITE";
+    case Op::kWriteAck:
+      return "WRITE_ACK";
+    case Op::kReadRequest:
+      return "READ_REQUEST";
+    case Op::kReadResponse:
+      return "READ_RESPONSE";
+    case Op::kNotify:
+      return "NOTIFY";
+    case Op::kNotifyAck:
+      return "NOTIFY_ACK";
   }
   return "UNKNOWN";
 }
@@ -58,8 +64,8 @@ Status validate_header(const FrameHeader& h) {
             fmt::format("{} frame with a {}-byte message", op_name(h.op), h.aux_bytes));
       }
       if (h.status > static_cast<uint32_t>(StatusCode::kInternal)) {
-        return err::ProtocolError(fmt::format("{} frame with unknown status {}", op_name(h.op),
-                                              h.status));
+        return err::ProtocolError(
+            fmt::format("{} frame with unknown status {}", op_name(h.op), h.status));
       }
       if (op != Op::kReadResponse && h.payload_bytes != 0) {
         return err::ProtocolError(fmt::format("{} frame carries payload", op_name(h.op)));
@@ -92,15 +98,15 @@ Status check_segments(const FrameHeader& h, std::span<const WireSegment> segment
   for (size_t i = 0; i < segments.size(); ++i) {
     const uint64_t len = segments[i].length;
     if (len == 0 || len > kMaxFramePayload - total) {
-      return err::ProtocolError(fmt::format(
-          "{} segment {} has length {} (frame total so far {}, limit {})", op_name(h.op), i, len,
-          total, kMaxFramePayload));
+      return err::ProtocolError(
+          fmt::format("{} segment {} has length {} (frame total so far {}, limit {})",
+                      op_name(h.op), i, len, total, kMaxFramePayload));
     }
     total += len;
   }
   if (static_cast<Op>(h.op) == Op::kWrite && total != h.payload_bytes) {
-    return err::ProtocolError(fmt::format("WRITE segments add up to {} bytes, header says {}",
-                                          total, h.payload_bytes));
+    return err::ProtocolError(
+        fmt::format("WRITE segments add up to {} bytes, header says {}", total, h.payload_bytes));
   }
   *total_bytes = total;
   return Status::Ok();
