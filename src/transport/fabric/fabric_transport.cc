@@ -749,7 +749,7 @@ void FabricTransport::peers_changed_locked(const Peer* added) {
 }
 
 const std::shared_ptr<Peer>& FabricTransport::find_peer(PeerId peer) const {
-  PeerCache& c = t_peer_cache;
+  PeerCache& c = *detail::tls_address(t_peer_cache);
   if (c.owner == this && c.id == peer &&
       c.version == peers_version_.load(std::memory_order_acquire)) {
     return c.peer;
@@ -785,7 +785,7 @@ Result<RemoteKey> FabricTransport::grant_for(const std::shared_ptr<Peer>& p,
   // An entry is good while no REVOKE came (revoke_gen as read before this
   // lookup): a grant is dropped only by a REVOKE, which raises it, or with
   // the peer's death, which post() checks under post_mu_ anyway.
-  GrantCache& c = t_grant_cache;
+  GrantCache& c = *detail::tls_address(t_grant_cache);
   if (c.peer == p && c.revoke_gen == revoke_gen && c.key == key) return c.value;
   auto remember = [&](const RemoteKey& k) {
     if (c.peer != p) c.peer = p;
@@ -1147,7 +1147,7 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     if (!path.ok()) return path.status();
     if (Status s = plan_staging(*job, *path); !s.ok()) return s;
   }
-  std::vector<Segment>& segs = job->segs;
+  JobSegments& segs = job->segs;
   if (segs.size() > 1) job->more_keys.resize(segs.size());
   if ((mr_mode_ & FI_MR_LOCAL) || gpu_direct) job->descs.resize(segs.size());
   bool handed_over = false;  // every op of the job is with the provider

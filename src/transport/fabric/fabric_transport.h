@@ -166,11 +166,47 @@ struct StageGroup {
   size_t last = 0;
 };
 
+// A job's segments. A one-segment call (most small ones) keeps its segment
+// inline and lets core's vector go at once, on the posting thread: freed
+// with the job instead, in a waiter's burst of completions, it overflowed
+// glibc's per-thread cache and took malloc's slow path on both ends.
+class JobSegments {
+ public:
+  JobSegments() = default;
+  JobSegments(const JobSegments&) = delete;
+  JobSegments& operator=(const JobSegments&) = delete;
+  // Takes v's segments (v is left empty or as it was).
+  JobSegments& operator=(std::vector<Segment>&& v) {
+    if (v.size() == 1) {
+      one_ = v[0];
+      more_.clear();
+      data_ = &one_;
+      size_ = 1;
+    } else {
+      more_ = std::move(v);
+      data_ = more_.data();
+      size_ = more_.size();
+    }
+    return *this;
+  }
+  size_t size() const { return size_; }
+  Segment& operator[](size_t i) { return data_[i]; }
+  const Segment& operator[](size_t i) const { return data_[i]; }
+  const Segment* begin() const { return data_; }
+  const Segment* end() const { return data_ + size_; }
+
+ private:
+  Segment one_;
+  std::vector<Segment> more_;
+  Segment* data_ = nullptr;
+  size_t size_ = 0;
+};
+
 struct Job {
   std::shared_ptr<Transfer> transfer;
   std::shared_ptr<Peer> peer;
   bool write = true;
-  std::vector<Segment> segs;
+  JobSegments segs;
   // Per segment: key and remote address of byte 0. A one-segment call (most
   // small ones) keeps it in one_key: no allocation.
   RemoteKey one_key;
