@@ -38,7 +38,13 @@ uint32_t inline_lane() {
   return lane;
 }
 
+thread_local bool t_on_watcher = false;
+
 }  // namespace
+
+bool GpuPath::on_watcher() {
+  return t_on_watcher;
+}
 
 Result<std::unique_ptr<GpuPath>> GpuPath::create(const GpuPathOptions& options,
                                                  const std::string& thread_prefix) {
@@ -363,6 +369,7 @@ void GpuPath::run(std::function<void()> job) {
 // Back-off: yield for 30 us, then sleep 2 us doubling to 20 us -- a staging
 // copy takes ~20 us (1 MiB at PCIe speed) and the frame waits for it.
 void GpuPath::watch_loop() {
+  t_on_watcher = true;
   std::deque<Waiting> mine;
   auto idle_since = Clock::now();
   auto nap = std::chrono::microseconds(0);

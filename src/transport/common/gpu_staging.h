@@ -111,6 +111,9 @@ class GpuPath {
   void copy_each_then(std::vector<std::vector<DeviceCopy>> groups,
                       std::vector<std::function<void(Status)>> done,
                       bool after_default_stream = false);
+  // True on the watcher thread: a `done` run there (a handed-off copy) should
+  // hand long work, such as a send, on to another thread.
+  static bool on_watcher();
   // Runs `job` on the job thread, in submission order.
   void run(std::function<void()> job);
 

@@ -284,7 +284,8 @@ void TcpTransport::post_staged(
       transfer->tx_end();
       if (!st.ok()) {
         fail_transfer(*transfer, st);
-      } else if (!enqueue_on(*stream, std::move(*frame))) {
+      } else if (!(GpuPath::on_watcher() ? enqueue_for_worker(*stream, std::move(*frame))
+                                         : enqueue_on(*stream, std::move(*frame)))) {
         fail_transfer(*transfer, err::PeerDisconnected(fmt::format(
                                      "connection to peer {} is closed", hex_id(transfer->peer()))));
       }
@@ -442,6 +443,18 @@ bool TcpTransport::enqueue_on(Stream& s, std::unique_ptr<TxFrame> frame) {
   }
   if (!ok) fail_stream(s, error);
   return ok;
+}
+
+bool TcpTransport::enqueue_for_worker(Stream& s, std::unique_ptr<TxFrame> frame) {
+  {
+    std::lock_guard lock(s.tx_mu);
+    if (s.dead) return false;
+    if (frame->pending) s.pending.push_back(frame->pending);
+    s.txq.push_back(std::move(frame));
+  }
+  std::lock_guard g(s.def_mu);  // fail_stream waits on def_mu: the worker is alive
+  if (!s.dead) s.worker->request_flush(s.shared_from_this());
+  return true;
 }
 
 // ------------------------------------------------------------------ send ---

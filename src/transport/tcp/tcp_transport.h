@@ -302,6 +302,10 @@ class TcpTransport final : public Transport {
   Result<PostPlan> plan_post(PeerId peer, const std::vector<Segment>& segments);
   Status enqueue(Group& group, std::vector<std::unique_ptr<TxFrame>> frames);
   bool enqueue_on(Stream& s, std::unique_ptr<TxFrame> frame);
+  // The same, sent by the stream's I/O thread rather than this one: for the
+  // GPU path's watcher, which must not spend a send (~5 us on loopback) per
+  // frame while it polls every handed-off copy.
+  bool enqueue_for_worker(Stream& s, std::unique_ptr<TxFrame> frame);
   // Sends queued frames until EAGAIN; tx_mu held. False: the stream failed.
   bool flush_locked(Stream& s, Status* error);
   void flush(Stream& s);
