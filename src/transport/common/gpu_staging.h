@@ -130,7 +130,8 @@ class GpuPath {
   // before the default stream had filled it (docs/gpu.md, "A lone inline
   // copy on the copy engine").
   enum class StreamUse : uint8_t { kQueued, kInline, kInlineEngine };
-  Result<CopyStream*> stream(int device, StreamUse use, bool after_default_stream);
+  Result<CopyStream*> stream(int device, StreamUse use, bool after_default_stream,
+                             bool handed_off = false);
   // The inline path of copy_then; false if the copies are not for it.
   bool copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
                    bool after_default_stream);
@@ -140,7 +141,7 @@ class GpuPath {
   struct InlineCopy;
   bool inline_eligible(const std::vector<DeviceCopy>& copies) const;
   bool submit_inline(const std::vector<DeviceCopy>& copies, bool after_default_stream,
-                     InlineCopy* out);
+                     bool hand_off, InlineCopy* out);
   void finish_inline(InlineCopy& c, std::function<void(Status)>& done, bool hand_off);
   // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
   // `out`; false once `stop` is set and the queue is drained.
@@ -200,7 +201,8 @@ class GpuPath {
   GpuPathOptions opt_;
   std::mutex streams_mu_;
   // (device, use, after the default stream, lane) →. Inline copies use the
-  // calling thread's lane (inline_lane()), queued ones lane 0.
+  // calling thread's lane (inline_lane()), handed-off ones the next of the
+  // hand-off lanes, queued ones lane 0.
   std::map<std::tuple<int, StreamUse, bool, uint32_t>, std::unique_ptr<CopyStream>> streams_;
 
   // One lock, a condition variable per kind of thread (a shared one, with
