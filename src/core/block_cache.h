@@ -42,7 +42,8 @@ class BlockCache {
       ++l.count;
       return;
     }
-    ::operator delete(p, kSize);
+    // Unsized: clang (the fuzz build) has no sized deallocation by default.
+    ::operator delete(p);
   }
 
  private:
@@ -63,7 +64,7 @@ class BlockCache {
     ~Owner() {
       while (Node* n = list.head) {
         list.head = n->next;
-        ::operator delete(n, kSize);
+        ::operator delete(n);
       }
       list.count = kMaxCached;  // what this thread frees later goes to operator delete
     }
@@ -93,7 +94,7 @@ struct BlockCacheAllocator {
   }
   void deallocate(T* p, size_t n) {
     if (n != 1) {
-      ::operator delete(p, n * sizeof(T));
+      ::operator delete(p);
       return;
     }
     detail::BlockCache<sizeof(T), alignof(T)>::give(p);

@@ -446,15 +446,20 @@ TEST_F(TransferTest, CancelLargeWrite) {
   ASSERT_NO_FATAL_FAILURE(Connect(64 << 20));
   LocalBuffer buf(*engine_, 64 << 20);
   FillPattern(92, 0, buf.data(), 64 << 20);
-  // 1 GiB: the same 64 MiB written 16 times.
-  std::vector<LocalIov> l(16, LocalIov{buf.data(), 64 << 20});
-  std::vector<RemoteIov> r(16, RemoteIov{&peer_->rw, 0, 64 << 20});
+  // 4 GiB: the same 64 MiB written 64 times -- about a second on loopback,
+  // so that a test thread descheduled between the post and cancel() on a
+  // loaded machine still finds the write running (with 1 GiB, ~0.2 s, a
+  // sanitizer run under ctest -j2 once saw it finished).
+  std::vector<LocalIov> l(64, LocalIov{buf.data(), 64 << 20});
+  std::vector<RemoteIov> r(64, RemoteIov{&peer_->rw, 0, 64 << 20});
   auto id = engine_->write_async(pid_, l, r);
   ASSERT_TRUE(id.ok()) << id.status().to_string();
+  const Status before = engine_->test(*id);
   Status c = engine_->cancel(*id);
   EXPECT_TRUE(c.ok()) << c.to_string();
   Status s = engine_->wait(*id, 30s);
-  EXPECT_EQ(s.code(), StatusCode::kCancelled) << s.to_string();
+  EXPECT_EQ(s.code(), StatusCode::kCancelled)
+      << s.to_string() << " (status just before cancel(): " << before.to_string() << ")";
   EXPECT_EQ(engine_->test(*id).code(), StatusCode::kNotFound);
   // After cancel() returned the engine no longer reads the source buffer; the
   // application may reuse it at once.
