@@ -381,6 +381,30 @@ TEST_F(TcpGpuSmallStaging, ReadsInFlightTogetherShareTwoSlots) {
   }
 }
 
+// A malformed measurement knob of the GPU path is refused by name when the
+// path is first needed (the first transfer touching local GPU memory), and
+// host memory keeps moving.
+class TcpGpuMalformedKnob : public TcpGpuMemory {
+ protected:
+  void SetUp() override {
+    setenv("FERRY_TCP_GPU_HANDOFF_US", "soon", 1);
+    TcpGpuMemory::SetUp();
+  }
+  void TearDown() override {
+    TcpGpuMemory::TearDown();
+    unsetenv("FERRY_TCP_GPU_HANDOFF_US");
+  }
+};
+
+TEST_F(TcpGpuMalformedKnob, HandoffWindowRefusedByName) {
+  LocalIov l{local_gpu_, 4096};
+  RemoteIov r{&remote_host_, 0, 4096};
+  Status s = engine_->write(peer_, std::span(&l, 1), std::span(&r, 1));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("FERRY_TCP_GPU_HANDOFF_US=soon"), std::string::npos) << s.to_string();
+  run({false, false, true, 4096, 4}, 77);  // host -> host
+}
+
 }  // namespace
 }  // namespace ferry
 

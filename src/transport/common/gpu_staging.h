@@ -17,8 +17,8 @@
 // running after GpuPathOptions::inline_wait is handed to the watcher, so a busy GPU
 // cannot hold an I/O thread; so is one that follows the previous inline copy
 // closely (several transfers in flight), so that posting threads keep posting.
-// One watcher thread polls the copies (in submission order, the order they
-// finish on a stream) and hands finished ones to several callback threads, so
+// One watcher thread polls the copies (every stream's oldest running one:
+// a stream finishes its copies in order) and hands finished ones to several callback threads, so
 // that frames of different streams are sent in parallel, as the I/O threads
 // send host-memory frames: with one thread, every GPU read response of a peer
 // went out through it (GPU reads at 0.72x host memory at 1 MiB blocks on an
@@ -65,6 +65,14 @@ struct GpuPathOptions {
   // The transport using the path ("tcp", "fabric"): named in errors, and the
   // diagnostic environment knobs are FERRY_<USER>_GPU_... (FERRY_TCP_GPU_TRACE).
   std::string user = "tcp";
+  // An inline copy that starts within this window of the previous one on its
+  // thread is not waited for by that thread: the watcher finishes it and runs
+  // `done`. One blocking transfer at a time keeps the spin (no hand-off
+  // wake-up in its latency); with several in flight the posting thread spun
+  // ~9 us per 4 KiB write on an H100 machine, and that bounded the transfers
+  // per second (docs/gpu.md). FERRY_<USER>_GPU_HANDOFF_US (0 = never; for
+  // measurement) overrides it; create() refuses a malformed value.
+  std::chrono::microseconds handoff_window{20};
 };
 
 class GpuPath {
@@ -184,18 +192,12 @@ class GpuPath {
   // A lone inline copy goes to the copy engine (StreamUse::kInlineEngine);
   // FERRY_<USER>_GPU_INLINE_ENGINE=0 (measurement only) sends it to the kernel.
   bool inline_engine_ = true;
-  // An inline copy that starts within this window of the previous one is
-  // not waited for by its caller: the watcher finishes it and runs `done`.
-  // One blocking transfer at a time keeps the spin (no hand-off wake-up in
-  // its latency); with several in flight the posting thread spun ~9 us per
-  // 4 KiB write on an H100 machine, and that bounded the transfers per
-  // second (docs/gpu.md). FERRY_<USER>_GPU_HANDOFF_US (0 = never; for
-  // measurement) overrides it.
-  std::chrono::microseconds handoff_window_{20};
+  std::chrono::microseconds handoff_window_{20};  // GpuPathOptions::handoff_window
   std::mutex trace_mu_;
   std::vector<std::array<float, 4>> trace_;
 
   const char* env(const char* knob) const;  // FERRY_<USER>_GPU_<knob>, or null
+  static std::string env_name(const std::string& user, const char* knob);
 
   std::unique_ptr<StagingPool> pool_;
   GpuPathOptions opt_;
