@@ -7,6 +7,7 @@
 #include <atomic>
 #include <barrier>
 #include <csignal>
+#include <cstdio>
 #include <numeric>
 #include <random>
 #include <set>
@@ -529,6 +530,74 @@ TEST_F(TransferTest, CancelLargeReadStopsWritingLocalMemory) {
   for (int i = 0; i < 8; ++i) ASSERT_NO_FATAL_FAILURE(ExpectHealthy(small, 100 + i));
   EXPECT_EQ(HashBytes(buf.data(), kIovs * kLen), after_cancel)
       << "bytes of a cancelled read landed in local memory after cancel() returned";
+}
+
+// A write posted after cancel() returned is never overwritten by bytes of the
+// cancelled write, which a transport may still have in flight (frames on the
+// wire, a target's copy in progress). Every iov of the large write covers the
+// same 4 MiB (one shm request each), so any copy of it still running on the
+// target when the small write lands covers the small write's bytes too -- at
+// the end of the range, which a running copy reaches last. Rounds vary the
+// time between the post and cancel(), for about three seconds. Before the
+// shm transport's cancel fence (docs/design.md), staging mode failed this in
+// the first rounds of every run.
+TEST_F(TransferTest, CancelledWriteNeverOverwritesALaterWrite) {
+  constexpr uint64_t kRange = 4 << 20;
+  constexpr uint64_t kSmall = 64 << 10;
+  constexpr uint64_t kSmallAt = kRange - kSmall;
+  constexpr int kIovs = 256;  // 1 GiB in all
+  ASSERT_NO_FATAL_FAILURE(Connect(kRange));
+  auto routes = engine_->peer_transports(pid_);
+  ASSERT_TRUE(routes.ok()) << routes.status().to_string();
+  for (const PeerTransportInfo& route : *routes) {
+    if (route.connected && route.transport == "tcp" &&
+        route.carries.find("host memory") != std::string::npos) {
+      // Known gap of tcp: frames of the cancelled write already sent on one
+      // stream may be placed after a later write sent on another (with
+      // tcp.streams=1 this passes). Fails in the first rounds.
+      GTEST_SKIP() << "tcp does not order a cancelled write's frames still on other streams "
+                      "before later writes yet";
+    }
+  }
+  LocalBuffer big(*engine_, kRange);
+  FillPattern(96, 0, big.data(), kRange);
+  std::vector<LocalIov> l(kIovs, LocalIov{big.data(), kRange});
+  std::vector<RemoteIov> r(kIovs, RemoteIov{&peer_->rw, 0, kRange});
+  LocalBuffer small(*engine_, kSmall);
+  LocalIov sl{small.data(), kSmall};
+  RemoteIov sr{&peer_->rw, kSmallAt, kSmall};
+  const auto end = std::chrono::steady_clock::now() + 3s;
+  int rounds = 0, cancelled = 0;
+  for (uint64_t seed = 2000; rounds < 200 && std::chrono::steady_clock::now() < end; ++seed) {
+    SCOPED_TRACE("round " + std::to_string(rounds));
+    ++rounds;
+    auto id = engine_->write_async(pid_, l, r);
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    std::this_thread::sleep_for(std::chrono::microseconds(500 * (rounds % 8)));
+    ASSERT_TRUE(engine_->cancel(*id).ok());
+    const Status c = engine_->wait(*id, 30s);
+    ASSERT_TRUE(c.code() == StatusCode::kCancelled || c.ok()) << c.to_string();
+    if (c.code() == StatusCode::kCancelled) ++cancelled;
+    FillPattern(seed, 0, small.data(), kSmall);
+    Status s = engine_->write(pid_, {&sl, 1}, {&sr, 1}, std::nullopt, 30s);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    // Late copies of the cancelled write take a millisecond or two; give
+    // them time to land (they must not) before looking.
+    std::this_thread::sleep_for(20ms);
+    const auto now = peer_->Checksum(kSmallAt, kSmall);
+    ASSERT_EQ(now, PatternHash(seed, 0, kSmall))
+        << "the target's bytes of a write posted after cancel() returned were overwritten "
+        << (now == PatternHash(96, kSmallAt, kSmall) ? "by the cancelled write's bytes"
+                                                     : "in part");
+    std::memset(small.data(), 0, kSmall);
+    s = engine_->read(pid_, {&sl, 1}, {&sr, 1}, 30s);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    size_t bad = 0;
+    ASSERT_TRUE(MatchesPattern(seed, 0, small.data(), kSmall, &bad))
+        << "read back differs from the write posted after cancel() at byte " << bad;
+  }
+  EXPECT_GT(cancelled, 0) << "no round caught the large write before it finished";
+  std::printf("%d rounds, %d cancelled before they finished\n", rounds, cancelled);
 }
 
 TEST_F(TransferTest, ConcurrentThreadsToTwoPeers) {
