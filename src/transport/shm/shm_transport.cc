@@ -1137,7 +1137,10 @@ void ShmTransport::release_range(Connection& c, uint64_t offset) {
   {
     std::lock_guard lock(c.staging_mu);
     c.ring.release(offset);
-    if (!c.backlog.empty() && !c.draining && !c.dead.load()) {
+    // An answer to a request of a cancelled write: the peer's copy of it is
+    // over. The last one lets the backlog go.
+    c.fence.erase(offset);
+    if (!c.backlog.empty() && !c.draining && c.fence.empty() && !c.dead.load()) {
       c.draining = true;
       drain = true;
     }
@@ -1163,16 +1166,19 @@ Status ShmTransport::stage(const std::shared_ptr<Connection>& c, StagedRequest r
       return err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(*c)));
     }
     std::optional<uint64_t> range;
-    if (c->backlog.empty() && request.bytes <= *budget) range = c->ring.allocate(request.bytes);
+    if (c->backlog.empty() && c->fence.empty() && request.bytes <= *budget) {
+      range = c->ring.allocate(request.bytes);
+    }
     if (!range) {
       // The rest of this post queues too (the caller's thread copies one
       // area's worth at most, and requests stay in order).
       *budget = 0;
       c->backlog.push_back(std::move(request));
       queued = true;
-      // A release starts the drain while a range is in use; else (answers
-      // came back meanwhile) nobody would: start it here.
-      if (!c->draining) {
+      // A release starts the drain while a range is in use (a fenced one
+      // among them); else (answers came back meanwhile) nobody would: start
+      // it here.
+      if (!c->draining && c->fence.empty()) {
         c->draining = true;
         drain = true;
       }
@@ -1193,6 +1199,11 @@ Status ShmTransport::stage(const std::shared_ptr<Connection>& c, StagedRequest r
 
 Status ShmTransport::send_staged(const std::shared_ptr<Connection>& c, StagedRequest& request,
                                  uint64_t at) {
+  if (request.op == Op::kNotifyReq) {  // held by the cancel fence; no bytes, no range
+    const uint64_t id = next_request_id_.fetch_add(1);
+    return send_request(c, request.transfer, id,
+                        encode_request(Op::kNotifyReq, id, {}, true, request.notification));
+  }
   for (WireSegment& w : request.segments) w.address += at;
   for (CopyPiece& p : request.copies) p.remote += at;
   Pending entry;
@@ -1217,8 +1228,9 @@ void ShmTransport::drain_backlog(const std::shared_ptr<Connection>& c) {
     {
       std::lock_guard lock(c->staging_mu);
       std::optional<uint64_t> range;
-      if (!c->dead.load() && !c->backlog.empty()) {
-        range = c->ring.allocate(c->backlog.front().bytes);
+      if (!c->dead.load() && !c->backlog.empty() && c->fence.empty()) {
+        const StagedRequest& front = c->backlog.front();
+        range = front.op == Op::kNotifyReq ? kNoRange : c->ring.allocate(front.bytes);
       }
       if (!range) {
         c->draining = false;  // a later release starts the next drain
@@ -1228,9 +1240,12 @@ void ShmTransport::drain_backlog(const std::shared_ptr<Connection>& c) {
       request = std::move(c->backlog.front());
       c->backlog.pop_front();
     }
-    // A failed send fails the connection and with it the transfer; a
-    // cancelled transfer sends nothing.
-    (void)send_staged(c, request, at);
+    // A cancelled transfer sends nothing. A failed send fails the
+    // connection and with it the transfer -- unless the connection failed
+    // just before (it fails only what is pending or queued, and this
+    // request is neither): then the transfer fails here.
+    Status s = send_staged(c, request, at);
+    if (!s.ok() && s.code() != StatusCode::kCancelled) fail_transfer(*request.transfer, s);
   }
 }
 
@@ -1570,6 +1585,19 @@ Status ShmTransport::post_notification(PeerId peer, const std::shared_ptr<Transf
   auto conn = live_connection(peer);
   if (!conn.ok()) return conn.status();
   transfer->outstanding.store(1);
+  if ((*conn)->staged) {
+    // Behind the cancel fence, as every request posted after a cancel().
+    std::lock_guard lock((*conn)->staging_mu);
+    if (!(*conn)->fence.empty() && !(*conn)->dead.load()) {
+      StagedRequest request;
+      request.transfer = transfer;
+      request.op = Op::kNotifyReq;
+      request.embed_notification = true;
+      request.notification = std::move(payload);
+      (*conn)->backlog.push_back(std::move(request));
+      return Status::Ok();  // the fence's last release drains
+    }
+  }
   const uint64_t id = next_request_id_.fetch_add(1);
   Status s =
       send_request(*conn, transfer, id, encode_request(Op::kNotifyReq, id, {}, true, payload));
@@ -1656,21 +1684,27 @@ void ShmTransport::cancel(Transfer& t) {
       if (c->peer == t.peer()) conns.push_back(c);
     }
   }
-  // Staged requests not sent yet never will be: drop them (and with them
-  // the pointers into the caller's memory).
-  for (auto& c : conns) {
-    std::lock_guard lock(c->staging_mu);
-    std::erase_if(c->backlog, [&](const StagedRequest& r) { return r.transfer.get() == &t; });
-  }
   // The peer copies into or out of our memory until it answers. Tell it to
-  // skip what it has not started, then wait for every request already sent,
-  // bounded by shm.cancel_timeout_ms.
+  // skip what it has not started, then (cross-memory attach) wait for every
+  // request already sent, bounded by shm.cancel_timeout_ms.
+  const bool write = t.op() == TransferOp::kWrite;
   for (auto& c : conns) {
     std::vector<uint64_t> ids;
     {
+      // Staged requests not sent yet never will be: drop them (and with
+      // them the pointers into the caller's memory).
+      std::lock_guard staging(c->staging_mu);
+      std::erase_if(c->backlog, [&](const StagedRequest& r) { return r.transfer.get() == &t; });
+      // Under staging_mu too: an answer that arrives now gives its range
+      // back only after the range joined the fence.
       std::lock_guard lock(c->mu);
       for (const auto& [id, p] : c->pending) {
-        if (p.transfer.get() == &t) ids.push_back(id);
+        if (p.transfer.get() != &t) continue;
+        ids.push_back(id);
+        // Staging: the peer may be copying this request's bytes from its
+        // area into its region right now, and will until it answers. Later
+        // requests wait for that answer (Connection::fence).
+        if (write && p.range != kNoRange) c->fence.insert(p.range);
       }
     }
     for (size_t at = 0; at < ids.size(); at += kMaxCancelIds) {
@@ -1683,7 +1717,8 @@ void ShmTransport::cancel(Transfer& t) {
     // Staging: the peer copies only into and out of our area, never into
     // the caller's memory; our own copies check `cancelled` under io_mu. So
     // nothing to wait for, and a stalled peer keeps its connection: its late
-    // answers only give the ranges back.
+    // answers give the ranges back, and lift the fence that holds later
+    // requests back until the cancelled write's copies on the peer are over.
     if (c->staged) continue;
     std::unique_lock lock(c->mu);
     const bool idle = c->idle_cv.wait_until(

@@ -44,6 +44,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "transport/shm/cma.h"
@@ -82,7 +83,8 @@ struct Pending {
   std::vector<CopyPiece> copy_out;
 };
 
-// A staged request not sent yet: it waits for a range of our area. Its
+// A staged request not sent yet: it waits for a range of our area (or, a
+// notification, which needs none, for the cancel fence to fall). Its
 // segments' addresses and its copies' offsets are relative to the range.
 struct StagedRequest {
   std::shared_ptr<Transfer> transfer;
@@ -122,6 +124,14 @@ struct Connection : std::enable_shared_from_this<Connection> {
   StagingRing ring;
   std::deque<StagedRequest> backlog;
   bool draining = false;
+  // The cancel fence: ranges held by requests of cancelled writes that the
+  // peer has not answered yet. Until their answers arrive the peer may still
+  // be copying those bytes into its region, so nothing else is sent: every
+  // request waits in the backlog, which the release of the last fenced range
+  // drains. So a request posted after cancel() returned reaches the peer
+  // only once the cancelled write's copies are over, and none of them can
+  // overwrite it. Lock order: staging_mu, then mu.
+  std::unordered_set<uint64_t> fence;
 
   // One frame at a time on the socket (initiators and copy workers).
   std::mutex send_mu;
@@ -238,16 +248,19 @@ class ShmTransport final : public Transport {
                       uint64_t id, const Bytes& frame, Pending entry = {},
                       std::span<const CopyPiece> copy_in = {});
   // Staging: sends `request` now if a range of our area is free, none waits
-  // before it and `*budget` (the bytes the posting thread may still copy,
-  // one area's worth per post) allows; else queues it for a copy thread and
-  // zeroes the budget. post() never waits for the peer, nor copies more
-  // than an area's worth itself.
+  // before it, no cancel fence is up and `*budget` (the bytes the posting
+  // thread may still copy, one area's worth per post) allows; else queues it
+  // for a copy thread and zeroes the budget. post() never waits for the
+  // peer, nor copies more than an area's worth itself.
   Status stage(const std::shared_ptr<Connection>& c, StagedRequest request, uint64_t* budget);
-  // Copies a staged request's bytes into range `at` (writes) and sends it.
+  // Copies a staged request's bytes into range `at` (writes) and sends it; a
+  // notification the cancel fence held (at: kNoRange) is only sent.
   Status send_staged(const std::shared_ptr<Connection>& c, StagedRequest& request, uint64_t at);
-  // A copy worker: sends queued requests while ranges are free.
+  // A copy worker: sends queued requests while ranges are free and no cancel
+  // fence is up.
   void drain_backlog(const std::shared_ptr<Connection>& c);
-  // Gives a range back; starts a drain if requests wait for one.
+  // Gives a range back (an answer came: if it belonged to a cancelled write,
+  // the fence falls with the last such); starts a drain if requests wait.
   void release_range(Connection& c, uint64_t offset);
   // A staged read's bytes, from our area to their destinations, unless the
   // transfer was cancelled or failed.
