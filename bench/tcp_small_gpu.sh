@@ -20,7 +20,8 @@
 #   2. throughput with 8 in flight, 4/64/256 KiB (GPU / host ratio);
 #   3. large transfers (16 x 1 MiB, 16 MiB): not slower.
 # Output: $OUT/tcp_small_{trace,tput}_MODE.txt and a summary on stdout.
-#   BUILD=build-dev [MODES="off on"] [REPS=2] bench/tcp_small_gpu.sh
+#   BUILD=build-dev [MODES="off on"] [REPS=2] [TRACE_REPS=1] [TPUT_ITERS=2000]
+#     [TPUT_ARGS=--cpu] [SIZES="4096 65536 262144"] [LARGE=1] bench/tcp_small_gpu.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 O=${OUT:-/tmp/out}
@@ -45,10 +46,16 @@ mode() {
   esac
 }
 echo "target process on GPU $dev; modes: $MODES"
-for m in $MODES; do
-  # shellcheck disable=SC2046
-  env $(mode $m) timeout 150 "$BIN" --trace --two-process --json --iters ${TRACE_ITERS:-300} \
-    > "$O/tcp_small_trace_$m.txt" 2>&1 || echo "trace $m rc=$?"
+# TRACE_REPS (default 1) repetitions of the trace, modes alternating; the
+# first repetition writes tcp_small_trace_MODE.txt, later ones _MODE_REP.txt.
+for rep in $(seq 1 "${TRACE_REPS:-1}"); do
+  for m in $MODES; do
+    f="$O/tcp_small_trace_$m.txt"
+    [ "$rep" -gt 1 ] && f="$O/tcp_small_trace_${m}_$rep.txt"
+    # shellcheck disable=SC2046
+    env $(mode $m) timeout 150 "$BIN" --trace --two-process --json --iters ${TRACE_ITERS:-300} \
+      > "$f" 2>&1 || echo "trace $m rc=$?"
+  done
 done
 SUMMARY='
 import json, os, sys
@@ -58,17 +65,24 @@ for line in sys.stdin:
     print("  %-3s %-5s %4s->%-4s %7d B depth %d: p50 %7.1f  p90 %7.1f"
           % (os.environ["M"], r["op"], r["local"], r["remote"], r["block_size"], r["depth"], t["p50"], t["p90"]))'
 echo "blocking and 8 in flight, p50 us (posted -> completed):"
-for m in $MODES; do
-  grep '^{' "$O/tcp_small_trace_$m.txt" | M=$m python3 -c "$SUMMARY"
+for rep in $(seq 1 "${TRACE_REPS:-1}"); do
+  for m in $MODES; do
+    f="$O/tcp_small_trace_$m.txt"
+    [ "$rep" -gt 1 ] && f="$O/tcp_small_trace_${m}_$rep.txt"
+    [ "${TRACE_REPS:-1}" -gt 1 ] && echo " repetition $rep"
+    grep '^{' "$f" | M=$m python3 -c "$SUMMARY"
+  done
 done
 for rep in $(seq 1 "${REPS:-2}"); do
   for m in $MODES; do
-    for s in 4096 65536 262144; do
+    for s in ${SIZES:-4096 65536 262144}; do
       echo "=== $m rep $rep: --block $s --batch 1 --depth 8" >> "$O/tcp_small_tput_$m.txt"
       # shellcheck disable=SC2046
-      env $(mode $m) timeout 60 "$BIN" --two-process --block $s --batch 1 --depth 8 --iters 2000 --reps 1 \
+      env $(mode $m) timeout 60 "$BIN" --two-process --block $s --batch 1 --depth 8 \
+        --iters ${TPUT_ITERS:-2000} --reps 1 ${TPUT_ARGS:-} \
         >> "$O/tcp_small_tput_$m.txt" 2>&1
     done
+    [ "${LARGE:-1}" = 0 ] && continue
     for args in "--block 1048576 --batch 16" "--block 16777216 --batch 1"; do
       echo "=== $m rep $rep: $args" >> "$O/tcp_small_tput_$m.txt"
       # shellcheck disable=SC2046,SC2086
