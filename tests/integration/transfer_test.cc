@@ -538,7 +538,8 @@ TEST_F(TransferTest, CancelLargeReadStopsWritingLocalMemory) {
 // same 4 MiB (one shm request each), so any copy of it still running on the
 // target when the small write lands covers the small write's bytes too -- at
 // the end of the range, which a running copy reaches last. Rounds vary the
-// time between the post and cancel(), for about three seconds. Before the
+// time between the post and cancel(), for about three seconds. Two standalone
+// notifications posted right after each cancel() arrive, in order. Before the
 // shm transport's cancel fence (docs/design.md), staging mode failed this in
 // the first rounds of every run.
 TEST_F(TransferTest, CancelledWriteNeverOverwritesALaterWrite) {
@@ -568,7 +569,8 @@ TEST_F(TransferTest, CancelledWriteNeverOverwritesALaterWrite) {
   RemoteIov sr{&peer_->rw, kSmallAt, kSmall};
   const auto end = std::chrono::steady_clock::now() + 3s;
   int rounds = 0, cancelled = 0;
-  std::vector<double> first_write_us;  // the small write right after cancel()
+  std::vector<double> after_cancel_us;  // the notifications and the write after cancel()
+  std::vector<std::string> notes;       // hex payloads of the notifications sent
   for (uint64_t seed = 2000; rounds < 200 && std::chrono::steady_clock::now() < end; ++seed) {
     SCOPED_TRACE("round " + std::to_string(rounds));
     ++rounds;
@@ -579,10 +581,16 @@ TEST_F(TransferTest, CancelledWriteNeverOverwritesALaterWrite) {
     const Status c = engine_->wait(*id, 30s);
     ASSERT_TRUE(c.code() == StatusCode::kCancelled || c.ok()) << c.to_string();
     if (c.code() == StatusCode::kCancelled) ++cancelled;
-    FillPattern(seed, 0, small.data(), kSmall);
     const auto t0 = std::chrono::steady_clock::now();
+    for (int k = 0; k < 2; ++k) {
+      const std::string note = "round " + std::to_string(rounds) + "." + std::to_string(k);
+      const ByteView v(reinterpret_cast<const uint8_t*>(note.data()), note.size());
+      ASSERT_TRUE(engine_->notify(pid_, v).ok());
+      notes.push_back(ToHex(v.data(), v.size()));
+    }
+    FillPattern(seed, 0, small.data(), kSmall);
     Status s = engine_->write(pid_, {&sl, 1}, {&sr, 1}, std::nullopt, 30s);
-    first_write_us.push_back(
+    after_cancel_us.push_back(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     ASSERT_TRUE(s.ok()) << s.to_string();
     // Late copies of the cancelled write take a millisecond or two; give
@@ -601,11 +609,18 @@ TEST_F(TransferTest, CancelledWriteNeverOverwritesALaterWrite) {
         << "read back differs from the write posted after cancel() at byte " << bad;
   }
   EXPECT_GT(cancelled, 0) << "no round caught the large write before it finished";
-  std::sort(first_write_us.begin(), first_write_us.end());
+  const auto got =
+      Split(peer_->Command("notifications " + std::to_string(notes.size()) + " 10000"));
+  ASSERT_EQ(got.size(), notes.size() + 2) << "expected " << notes.size() << " notifications";
+  for (size_t i = 0; i < notes.size(); ++i) {
+    const std::string& f = got[i + 2];
+    ASSERT_EQ(f.substr(f.find(':') + 1), notes[i]) << "notification " << i << " out of order";
+  }
+  std::sort(after_cancel_us.begin(), after_cancel_us.end());
   std::printf(
-      "%d rounds, %d cancelled before they finished; the 64 KiB write after cancel() took "
-      "%.0f us (median), %.0f us (max)\n",
-      rounds, cancelled, first_write_us[first_write_us.size() / 2], first_write_us.back());
+      "%d rounds, %d cancelled before they finished; two notifications and a 64 KiB write "
+      "after cancel() took %.0f us (median), %.0f us (max)\n",
+      rounds, cancelled, after_cancel_us[after_cancel_us.size() / 2], after_cancel_us.back());
 }
 
 TEST_F(TransferTest, ConcurrentThreadsToTwoPeers) {

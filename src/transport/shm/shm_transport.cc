@@ -1222,11 +1222,15 @@ Status ShmTransport::send_staged(const std::shared_ptr<Connection>& c, StagedReq
 }
 
 void ShmTransport::drain_backlog(const std::shared_ptr<Connection>& c) {
+  bool sent_notification = false;
   for (;;) {
     StagedRequest request;
     uint64_t at;
     {
       std::lock_guard lock(c->staging_mu);
+      // Only once it is sent may a later notification skip the backlog.
+      if (sent_notification) --c->held_notifications;
+      sent_notification = false;
       std::optional<uint64_t> range;
       if (!c->dead.load() && !c->backlog.empty() && c->fence.empty()) {
         const StagedRequest& front = c->backlog.front();
@@ -1246,6 +1250,7 @@ void ShmTransport::drain_backlog(const std::shared_ptr<Connection>& c) {
     // request is neither): then the transfer fails here.
     Status s = send_staged(c, request, at);
     if (!s.ok() && s.code() != StatusCode::kCancelled) fail_transfer(*request.transfer, s);
+    sent_notification = request.op == Op::kNotifyReq;
   }
 }
 
@@ -1585,23 +1590,40 @@ Status ShmTransport::post_notification(PeerId peer, const std::shared_ptr<Transf
   auto conn = live_connection(peer);
   if (!conn.ok()) return conn.status();
   transfer->outstanding.store(1);
-  if ((*conn)->staged) {
-    // Behind the cancel fence, as every request posted after a cancel().
-    std::lock_guard lock((*conn)->staging_mu);
-    if (!(*conn)->fence.empty() && !(*conn)->dead.load()) {
-      StagedRequest request;
-      request.transfer = transfer;
-      request.op = Op::kNotifyReq;
-      request.embed_notification = true;
-      request.notification = std::move(payload);
-      (*conn)->backlog.push_back(std::move(request));
-      return Status::Ok();  // the fence's last release drains
-    }
-  }
+  if ((*conn)->staged && hold_notification(*conn, transfer, payload)) return Status::Ok();
   const uint64_t id = next_request_id_.fetch_add(1);
   Status s =
       send_request(*conn, transfer, id, encode_request(Op::kNotifyReq, id, {}, true, payload));
   return s.code() == StatusCode::kCancelled ? Status::Ok() : s;
+}
+
+bool ShmTransport::hold_notification(const std::shared_ptr<Connection>& c,
+                                     const std::shared_ptr<Transfer>& t, Bytes& payload) {
+  bool drain = false;
+  {
+    std::lock_guard lock(c->staging_mu);
+    if ((c->fence.empty() && c->held_notifications == 0) || c->dead.load()) return false;
+    StagedRequest request;
+    request.transfer = t;
+    request.op = Op::kNotifyReq;
+    request.embed_notification = true;
+    request.notification = std::move(payload);
+    c->backlog.push_back(std::move(request));
+    ++c->held_notifications;
+    // The fence's last release drains; with the fence down, a drain is
+    // sending the held ones already, or is started here.
+    if (!c->draining && c->fence.empty()) {
+      c->draining = true;
+      drain = true;
+    }
+  }
+  if (drain) {
+    Task task;
+    task.conn = c;
+    task.drain = true;
+    submit(std::move(task));
+  }
+  return true;
 }
 
 Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
@@ -1694,7 +1716,11 @@ void ShmTransport::cancel(Transfer& t) {
       // Staged requests not sent yet never will be: drop them (and with
       // them the pointers into the caller's memory).
       std::lock_guard staging(c->staging_mu);
-      std::erase_if(c->backlog, [&](const StagedRequest& r) { return r.transfer.get() == &t; });
+      std::erase_if(c->backlog, [&](const StagedRequest& r) {
+        if (r.transfer.get() != &t) return false;
+        if (r.op == Op::kNotifyReq) --c->held_notifications;
+        return true;
+      });
       // Under staging_mu too: an answer that arrives now gives its range
       // back only after the range joined the fence.
       std::lock_guard lock(c->mu);

@@ -132,6 +132,10 @@ struct Connection : std::enable_shared_from_this<Connection> {
   // only once the cancelled write's copies are over, and none of them can
   // overwrite it. Lock order: staging_mu, then mu.
   std::unordered_set<uint64_t> fence;
+  // Standalone notifications the fence held, in the backlog or being sent by
+  // a drain: while there are any, later ones queue behind them, so
+  // notifications keep their order.
+  uint32_t held_notifications = 0;
 
   // One frame at a time on the socket (initiators and copy workers).
   std::mutex send_mu;
@@ -256,6 +260,11 @@ class ShmTransport final : public Transport {
   // Copies a staged request's bytes into range `at` (writes) and sends it; a
   // notification the cancel fence held (at: kNoRange) is only sent.
   Status send_staged(const std::shared_ptr<Connection>& c, StagedRequest& request, uint64_t at);
+  // Staging: queues a standalone notification behind the cancel fence and
+  // the notifications it held (Connection::held_notifications); false when
+  // neither is there: send it now.
+  bool hold_notification(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t,
+                         Bytes& payload);
   // A copy worker: sends queued requests while ranges are free and no cancel
   // fence is up.
   void drain_backlog(const std::shared_ptr<Connection>& c);
