@@ -2020,8 +2020,14 @@ void FabricTransport::progress_loop() {
     fds[nfds++] = {wake_fd_, POLLIN, 0};
     if (cq_fd_ >= 0) {
       struct fid* f = &cq_->fid;
-      if (fi_trywait(fabric_, &f, 1) != 0) {  // events pending: read again
+      if (fi_trywait(fabric_, &f, 1) != 0) {
+        // Events pending: read again, and poll a full spin more. A target's
+        // provider moves incoming RMA without a completion to show for it, so
+        // this (and a quick CQ wake-up, below) is all that shows a stream is
+        // on: going to sleep in the middle of one costs a wake-up (on a VM an
+        // interrupt to a halted vCPU) while the writer's bytes wait.
         sleeping_.store(Sleep::kAwake);
+        last_event = Clock::now();
         continue;
       }
       fds[nfds++] = {cq_fd_, POLLIN, 0};
@@ -2035,13 +2041,17 @@ void FabricTransport::progress_loop() {
     }
     last_event = Clock::now();
     // A target's provider moves incoming RMA without a completion to show for
-    // it, so activity shows only as wake-ups: woken by the CQ right after
-    // falling asleep means a stream is on -- poll longer next time (up to
-    // kMaxPollSpin), as a raw busy loop would; a longer sleep resets it.
+    // it, so activity shows only as wake-ups: woken by the CQ after a sleep
+    // shorter than the spin before it means a stream is on, with gaps the
+    // spin would have covered -- poll longer next time (up to kMaxPollSpin),
+    // as a raw busy loop would; a longer sleep resets it. (The bar was
+    // fabric.poll_spin_us: one gap of 50 us-1 ms in a stream -- the writer
+    // preempted, its wait gone to sleep -- dropped the spin back to 50 us,
+    // and the target then slept between most writes: 2,800 sleeps a second,
+    // each woken by the writer's softirq, in the slow 4 KiB rounds.)
     const bool cq_woke = nfds > 1 && (fds[1].revents & POLLIN);
-    spin = cq_woke && last_event - slept < opt_.poll_spin
-               ? std::min<Clock::duration>(spin * 2, kMaxPollSpin)
-               : Clock::duration(opt_.poll_spin);
+    spin = cq_woke && last_event - slept < spin ? std::min<Clock::duration>(spin * 2, kMaxPollSpin)
+                                                : Clock::duration(opt_.poll_spin);
   }
 }
 
