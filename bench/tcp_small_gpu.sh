@@ -7,8 +7,6 @@
 #   nospin  I/O threads never busy-poll (FERRY_TCP_BUSY_POLL_US=0)
 #   wait    every inline copy waited for by its caller, none handed to the
 #           watcher when copies come close together (FERRY_TCP_GPU_HANDOFF_US=0)
-#   poster  handed-off copies submitted by the thread that hands them off, the
-#           watcher only waiting for them (FERRY_TCP_GPU_HANDOFF_SUBMIT=0)
 #   query   copy streams ordered after the default stream by a query per copy
 #           rather than as blocking streams (FERRY_COPY_AFTER_DEFAULT=query)
 #   whole   GPU transfers striped over the streams only from 512 KiB shares, as
@@ -39,7 +37,6 @@ mode() {
     kernel) echo "FERRY_TCP_GPU_INLINE_ENGINE=0" ;;
     nospin) echo "FERRY_TCP_BUSY_POLL_US=0" ;;
     wait) echo "FERRY_TCP_GPU_HANDOFF_US=0" ;;
-    poster) echo "FERRY_TCP_GPU_HANDOFF_SUBMIT=0" ;;
     query) echo "FERRY_COPY_AFTER_DEFAULT=query" ;;
     whole) echo "FERRY_TCP_GPU_MIN_STRIPE_BYTES=512KiB" ;;
     *) echo "FERRY_TCP_GPU_INLINE_ENGINE=1" ;;

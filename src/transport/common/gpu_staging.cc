@@ -85,7 +85,6 @@ GpuPath::GpuPath(std::unique_ptr<StagingPool> pool, const GpuPathOptions& option
   if (const char* v = env("TRACE"); v != nullptr && *v == '1') tracing_ = true;
   if (const char* v = env("INLINE_ENGINE"); v != nullptr && *v == '0') inline_engine_ = false;
   handoff_window_ = options.handoff_window;
-  if (const char* v = env("HANDOFF_SUBMIT"); v != nullptr && *v == '0') handoff_submit_ = false;
   const size_t n = completion_threads(env("COMPLETION_THREADS"));
   for (size_t i = 0; i < n; ++i) {
     callback_threads_.emplace_back([this, thread_prefix] {
@@ -303,44 +302,9 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   const bool hand_off =
       handoff_window_.count() > 0 && c.w.queued - last_inline < Clock::duration(handoff_window_);
   last_inline = c.w.queued;
-  if (hand_off && handoff_submit_ && watcher_awake_.load(std::memory_order_relaxed)) {
-    // The watcher submits it too: a posting thread that stays ahead of its
-    // transfers is the bottleneck of several in flight, and the submission
-    // (cudaMemcpyAsync and an event, ~2.5 us) was most of what a GPU write
-    // added to its work per transfer (H100 machine, docs/gpu.md). Only to an
-    // awake watcher: one asleep takes tens of microseconds to wake, and the
-    // copy should run meanwhile. Submitted later, the copy still starts after
-    // the default stream's earlier work.
-    {
-      std::lock_guard lock(mu_);
-      to_submit_.push_back(
-          Submit{std::move(copies), std::move(done), c.w.queued, after_default_stream});
-      waiting_count_.fetch_add(1, std::memory_order_release);
-    }
-    watch_cv_.notify_one();
-    return true;
-  }
   if (!submit_inline(copies, after_default_stream, hand_off, &c)) return false;
   finish_inline(c, done, hand_off);
   return true;
-}
-
-void GpuPath::submit_handed_off(Submit& job, std::deque<Waiting>* mine) {
-  InlineCopy c;
-  c.w.queued = job.queued;
-  if (!submit_inline(job.copies, job.after_default_stream, true, &c)) {
-    queue_copies(std::move(job.copies), std::move(job.done), job.after_default_stream);
-    return;
-  }
-  if (!c.ticket.ok()) {
-    job.done(Status(c.ticket.status().code(),
-                    "GPU staging copy failed: " + c.ticket.status().message()));
-    return;
-  }
-  c.w.tickets.emplace_back(c.stream, *c.ticket);
-  c.w.done = std::move(job.done);
-  c.w.done_on_watcher = true;
-  mine->push_back(std::move(c.w));
 }
 
 void GpuPath::copy_each_then(std::vector<std::vector<DeviceCopy>> groups,
@@ -377,11 +341,6 @@ void GpuPath::copy_each_then(std::vector<std::vector<DeviceCopy>> groups,
 void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
                         bool after_default_stream) {
   if (copy_inline(copies, done, after_default_stream)) return;
-  queue_copies(std::move(copies), std::move(done), after_default_stream);
-}
-
-void GpuPath::queue_copies(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
-                           bool after_default_stream) {
   {
     std::lock_guard lock(mu_);
     submits_.push_back(
@@ -452,7 +411,6 @@ void GpuPath::watch_loop() {
 #endif
   std::deque<Waiting> mine;
   std::vector<const CopyStream*> busy;  // streams seen running in this sweep
-  std::deque<Submit> submitting;        // handed off by copy_inline, to submit here
   auto idle_since = Clock::now();
   auto nap = std::chrono::microseconds(0);
   // After finishing a handed-off copy the watcher stays awake a while: the
@@ -468,21 +426,15 @@ void GpuPath::watch_loop() {
     {
       std::unique_lock lock(mu_);
       if (mine.empty()) {
-        watcher_awake_.store(false, std::memory_order_relaxed);
-        watch_cv_.wait(lock,
-                       [&] { return stop_watch_ || !waiting_.empty() || !to_submit_.empty(); });
-        watcher_awake_.store(true, std::memory_order_relaxed);
-        if (waiting_.empty() && to_submit_.empty()) return;
+        watch_cv_.wait(lock, [&] { return stop_watch_ || !waiting_.empty(); });
+        if (waiting_.empty()) return;
       }
       waiting_count_.store(0, std::memory_order_relaxed);
       while (!waiting_.empty()) {
         mine.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
       }
-      submitting.swap(to_submit_);
     }
-    for (auto& job : submitting) submit_handed_off(job, &mine);
-    submitting.clear();
     size_t finished = 0;
     bool small_running = false;
     busy.clear();

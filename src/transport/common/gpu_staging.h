@@ -16,8 +16,7 @@
 // a copy that takes a few, on an H200 machine (docs/gpu.md). A copy still
 // running after GpuPathOptions::inline_wait is handed to the watcher, so a busy GPU
 // cannot hold an I/O thread; so is one that follows the previous inline copy
-// closely (several transfers in flight), so that posting threads keep posting:
-// the watcher then submits it as well as waiting for it.
+// closely (several transfers in flight), so that posting threads keep posting.
 // One watcher thread polls the copies (every stream's oldest running one:
 // a stream finishes its copies in order) and hands finished ones to several callback threads, so
 // that frames of different streams are sent in parallel, as the I/O threads
@@ -152,14 +151,6 @@ class GpuPath {
   bool submit_inline(const std::vector<DeviceCopy>& copies, bool after_default_stream,
                      bool hand_off, InlineCopy* out);
   void finish_inline(InlineCopy& c, std::function<void(Status)>& done, bool hand_off);
-  // The queued path of copy_then: the submit thread takes them.
-  void queue_copies(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
-                    bool after_default_stream);
-  struct Submit;
-  struct Waiting;
-  // On the watcher: submits a copy that copy_inline handed off, and adds it
-  // to the watcher's own list (or queues it, without a stream).
-  void submit_handed_off(Submit& job, std::deque<Waiting>* mine);
   // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
   // `out`; false once `stop` is set and the queue is drained.
   template <typename T>
@@ -202,11 +193,6 @@ class GpuPath {
   // FERRY_<USER>_GPU_INLINE_ENGINE=0 (measurement only) sends it to the kernel.
   bool inline_engine_ = true;
   std::chrono::microseconds handoff_window_{20};  // GpuPathOptions::handoff_window
-  // A handed-off copy is submitted by the watcher, not by the thread that
-  // handed it off; FERRY_<USER>_GPU_HANDOFF_SUBMIT=0 (measurement only) has
-  // that thread submit it and the watcher only wait for it.
-  bool handoff_submit_ = true;
-  std::atomic<bool> watcher_awake_{false};  // false while the watcher sleeps on watch_cv_
   std::mutex trace_mu_;
   std::vector<std::array<float, 4>> trace_;
 
@@ -228,8 +214,7 @@ class GpuPath {
   std::deque<Submit> submits_;
   std::deque<std::function<void()>> jobs_;
   std::deque<Waiting> waiting_;           // submitted, for the watcher
-  std::deque<Submit> to_submit_;          // handed off, for the watcher to submit
-  std::atomic<size_t> waiting_count_{0};  // pushed to waiting_ or to_submit_ since the watcher took
+  std::atomic<size_t> waiting_count_{0};  // pushed to waiting_ since the watcher last took
   std::deque<Finished> finished_;         // for the callback threads
   bool stop_ = false;                     // job and submit threads: drain, then exit
   bool stop_watch_ = false;               // watcher: drain, then exit
