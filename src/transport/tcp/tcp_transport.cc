@@ -60,7 +60,7 @@ const OptionSpec kTcpOptionSpecs[] = {
     {"tcp.busy_poll_us", OptionType::kString, "auto",
      "after an I/O thread handled an event, how long (microseconds) it polls its sockets "
      "without sleeping before it blocks in epoll again: a sleeping thread wakes ~10-15 us late "
-     "once idle for tens of microseconds, on each side of a round trip. auto: 200 where the "
+     "once idle for tens of microseconds, on each side of a round trip. auto: 500 where the "
      "process may use 8 CPUs or more, else 0 (never spin: the threads would take the cores "
      "the other side needs)"},
     {"tcp.trace", OptionType::kBool, "false",
@@ -96,7 +96,13 @@ uint32_t default_io_threads() {
 
 // tcp.busy_poll_us: "auto" or a count of microseconds.
 Result<std::chrono::microseconds> parse_busy_poll(const std::string& v) {
-  if (v == "auto") return std::chrono::microseconds(usable_cpus() >= 8 ? 200 : 0);
+  // 500 us: an I/O thread serves every few transfers of a peer (the streams
+  // are spread over the workers), so it must keep spinning across several
+  // transfer times. With 200 us, blocking 4 KiB GPU->GPU writes (~40 us each,
+  // 4 workers) left gaps near the window: a worker that fell asleep woke
+  // 10-25 us late on each wire leg, which slowed the next transfers and so
+  // made more gaps -- p50 40 us in some runs, 64-111 us in others (H100).
+  if (v == "auto") return std::chrono::microseconds(usable_cpus() >= 8 ? 500 : 0);
   char* end = nullptr;
   const unsigned long long us = std::strtoull(v.c_str(), &end, 10);
   if (v.empty() || end == v.c_str() || *end != 0 || v[0] == '-' || us > 1000000) {
