@@ -5,6 +5,7 @@
 #           copy through the submit and watcher threads, the GPU path before them)
 #   kernel  inline copies, a lone one on the copy kernel (FERRY_TCP_GPU_INLINE_ENGINE=0)
 #   nospin  I/O threads never busy-poll (FERRY_TCP_BUSY_POLL_US=0)
+#   bp200   I/O threads busy-poll 200 us after an event (the auto window before 500)
 #   wait    every inline copy waited for by its caller, none handed to the
 #           watcher when copies come close together (FERRY_TCP_GPU_HANDOFF_US=0)
 #   query   copy streams ordered after the default stream by a query per copy
@@ -36,6 +37,7 @@ mode() {
     off) echo "FERRY_TCP_GPU_INLINE_BYTES=0" ;;
     kernel) echo "FERRY_TCP_GPU_INLINE_ENGINE=0" ;;
     nospin) echo "FERRY_TCP_BUSY_POLL_US=0" ;;
+    bp200) echo "FERRY_TCP_BUSY_POLL_US=200" ;;
     wait) echo "FERRY_TCP_GPU_HANDOFF_US=0" ;;
     query) echo "FERRY_COPY_AFTER_DEFAULT=query" ;;
     whole) echo "FERRY_TCP_GPU_MIN_STRIPE_BYTES=512KiB" ;;
