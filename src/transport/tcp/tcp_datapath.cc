@@ -246,6 +246,11 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
       });
   transfer->outstanding.store(built.size());
   if (plan.local_gpu) {
+    if (plan.group->held.load(std::memory_order_acquire)) [[unlikely]] {
+      HeldPost post{transfer, {}, std::move(built)};
+      if (hold(*plan.group, post)) return Status::Ok();
+      built = std::move(post.staged);
+    }
     post_staged(*plan.group, transfer, std::move(built));
     return Status::Ok();
   }
@@ -255,7 +260,7 @@ Status TcpTransport::post_write(PeerId peer, const std::shared_ptr<Transfer>& tr
     stage_pieces(frame->cursor, frame_pieces, nullptr, true);
     frames.push_back(std::move(frame));
   }
-  return enqueue(*plan.group, std::move(frames));
+  return enqueue(*plan.group, transfer, std::move(frames));
 }
 
 // Frames whose payload is (partly) local GPU memory: each is copied into a
@@ -376,7 +381,7 @@ Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& tra
         open();
       });
   transfer->outstanding.store(frames.size());
-  return enqueue(*plan.group, std::move(frames));
+  return enqueue(*plan.group, transfer, std::move(frames));
 }
 
 Status TcpTransport::post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
@@ -409,10 +414,20 @@ Status TcpTransport::post_notification(PeerId peer, const std::shared_ptr<Transf
   transfer->outstanding.store(1);
   std::vector<std::unique_ptr<TxFrame>> frames;
   frames.push_back(std::move(f));
-  return enqueue(*group, std::move(frames));
+  return enqueue(*group, transfer, std::move(frames));
 }
 
-Status TcpTransport::enqueue(Group& group, std::vector<std::unique_ptr<TxFrame>> frames) {
+Status TcpTransport::enqueue(Group& group, const std::shared_ptr<Transfer>& transfer,
+                             std::vector<std::unique_ptr<TxFrame>> frames) {
+  if (group.held.load(std::memory_order_acquire)) [[unlikely]] {
+    HeldPost post{transfer, std::move(frames), {}};
+    if (hold(group, post)) return Status::Ok();
+    frames = std::move(post.frames);
+  }
+  return send_frames(group, std::move(frames));
+}
+
+Status TcpTransport::send_frames(Group& group, std::vector<std::unique_ptr<TxFrame>> frames) {
   const size_t n = group.streams.size();
   const uint32_t first = group.next_stream.fetch_add(static_cast<uint32_t>(frames.size()));
   // Frame k goes to stream (first + k) % n; each stream is locked once.
@@ -628,19 +643,105 @@ void TcpTransport::cancel(Transfer& t) {
       if (key.first == t.peer()) groups.push_back(g);
     }
   }
+  //
+  // The frames of a write already sent are still placed by the target, and
+  // those on one stream may be placed after what a later request sends on
+  // another: so the frames of the write that are sent but not acknowledged
+  // raise the group's cancel fence, and requests posted from now on queue
+  // until their WRITE_ACKs are in (or the connection fails).
+  const bool fence = t.op() == TransferOp::kWrite;
   for (auto& g : groups) {
     for (auto& sp : g->streams) {
       if (!sp) continue;
       std::lock_guard lock(sp->tx_mu);  // no sender is inside sendmsg now
-      if (sp->txq.empty()) continue;
-      TxFrame& f = *sp->txq.front();
-      if (!f.started || f.transfer.get() != &t) continue;
-      f.cursor.detach_into(&f.detached);
-      f.transfer->tx_end();
-      f.transfer.reset();
+      if (!sp->txq.empty()) {
+        TxFrame& f = *sp->txq.front();
+        if (f.started && f.transfer.get() == &t) {
+          f.cursor.detach_into(&f.detached);
+          f.transfer->tx_end();
+          f.transfer.reset();
+        }
+      }
+      if (fence) fence_sent_frames(*g, *sp, t);
     }
   }
   t.wait_tx_idle();  // a sender that was between frames finishes its step
+}
+
+// ---------------------------------------------------------- cancel fence ---
+
+bool TcpTransport::hold(Group& group, HeldPost& post) {
+  std::lock_guard lock(group.fence_mu);
+  if (!group.held.load(std::memory_order_relaxed)) return false;  // lifted meanwhile
+  group.backlog.push_back(std::move(post));
+  return true;
+}
+
+void TcpTransport::fence_sent_frames(Group& group, Stream& s, const Transfer& t) {
+  // `t.cancelled` is set: its frames not yet started never will be, and get
+  // no answer (the sender drops them; marked now so they are not counted).
+  for (auto& f : s.txq) {
+    if (!f->started && f->transfer.get() == &t && f->pending) f->pending->dropped = true;
+  }
+  uint64_t sent = 0;
+  for (auto& p : s.pending) {
+    if (p->transfer.get() == &t && p->expect == Op::kWriteAck && !p->dropped && !p->fenced) {
+      p->fenced = true;
+      ++sent;
+    }
+  }
+  if (sent == 0) return;
+  // Still under tx_mu: their WRITE_ACKs (taken under tx_mu) count down only
+  // after this.
+  std::lock_guard lock(group.fence_mu);
+  group.fenced += sent;
+  group.held.store(true, std::memory_order_release);
+}
+
+void TcpTransport::unfence(Stream& s) {
+  auto group = s.group.lock();
+  if (!group) return;
+  {
+    std::lock_guard lock(group->fence_mu);
+    if (group->fenced == 0 || --group->fenced > 0) return;  // 0: lifted by a failure
+  }
+  release_held(*group);
+}
+
+void TcpTransport::release_held(Group& group) {
+  // One thread sends at a time, so the backlog leaves in posting order;
+  // posts arriving meanwhile queue behind it until `held` is lowered.
+  std::unique_lock lock(group.fence_mu);
+  if (group.draining) return;
+  while (group.fenced == 0) {
+    if (group.backlog.empty()) {
+      group.held.store(false, std::memory_order_release);
+      return;
+    }
+    HeldPost post = std::move(group.backlog.front());
+    group.backlog.pop_front();
+    group.draining = true;
+    lock.unlock();
+    send_held(group, post);
+    lock.lock();
+    group.draining = false;
+  }
+  // A new fence went up meanwhile: its last WRITE_ACK sends the rest.
+}
+
+void TcpTransport::send_held(Group& group, HeldPost& post) {
+  if (group.dead.load()) {
+    fail_transfer(*post.transfer, err::PeerDisconnected(fmt::format(
+                                      "connection to peer {} is closed", hex_id(group.peer))));
+    return;
+  }
+  if (!post.staged.empty()) {
+    post_staged(group, post.transfer, std::move(post.staged));
+    return;
+  }
+  if (Status st = send_frames(group, std::move(post.frames)); !st.ok()) {
+    fail_transfer(*post.transfer, st);
+  }
 }
 
 // ------------------------------------------------------------ revocation ---
@@ -930,6 +1031,8 @@ Status TcpTransport::on_frame(Stream& s) {
                         s.hdr.transfer_id, response_message(s)));
       }
       on_response(p, result);
+      if (p->fenced) [[unlikely]]
+        unfence(s);  // set before take_response() found p, under tx_mu
       return Status::Ok();
     }
   }

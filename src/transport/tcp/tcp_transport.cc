@@ -779,6 +779,13 @@ void TcpTransport::fail_stream(Stream& s, const Status& reason) {
   for (auto& sibling : group->streams) {
     if (sibling && sibling.get() != &s) fail_stream(*sibling, reason);
   }
+  // No fenced frame will be acknowledged now: requests held by the cancel
+  // fence fail (the group is dead).
+  {
+    std::lock_guard lock(group->fence_mu);
+    group->fenced = 0;
+  }
+  release_held(*group);
 }
 
 void TcpTransport::expire_handshake(Stream& s) {

@@ -85,7 +85,10 @@ struct Pending {
   IovCursor read_into;  // READ: where the response payload goes
   uint64_t payload_bytes = 0;
   bool dropped = false;  // frame never sent (transfer cancelled); guarded by tx_mu
-  bool traced = false;   // the request asked for a stage trace
+  // A frame of a cancelled write already (partly) sent: its WRITE_ACK lifts
+  // one count of the group's cancel fence. Set under tx_mu by cancel().
+  bool fenced = false;
+  bool traced = false;  // the request asked for a stage trace
   // READ into GPU memory: the pieces, and once the response arrives the
   // staging slot it lands in and the host→device copies that follow.
   std::vector<Piece> gpu_pieces;
@@ -173,6 +176,16 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   size_t rx_trailer = 0;  // a response's trace trailer bytes at the start of aux
 };
 
+// A request posted while its group's cancel fence stands: sent, in order,
+// when the fence is lifted.
+struct HeldPost {
+  std::shared_ptr<Transfer> transfer;
+  std::vector<std::unique_ptr<TxFrame>> frames;  // sent as enqueue() would
+  // A write from GPU memory: its frames before their staging copies (a held
+  // request holds no staging slot).
+  std::vector<std::pair<std::unique_ptr<TxFrame>, std::vector<Piece>>> staged;
+};
+
 struct Group {
   PeerId peer = 0;
   uint64_t nonce = 0;
@@ -182,6 +195,16 @@ struct Group {
   size_t arrived = 0;
   std::atomic<bool> dead{false};
   std::atomic<uint32_t> next_stream{0};
+  // The cancel fence (TcpTransport::cancel). Frames of a cancelled write
+  // already sent on one stream are placed by the target after whatever
+  // later goes over another, so requests posted after cancel() wait here
+  // until those frames are acknowledged. `held` is the only thing a post
+  // reads when no write was cancelled.
+  std::atomic<bool> held{false};  // fence up or backlog not yet sent: new requests queue
+  std::mutex fence_mu;            // after tx_mu when both are held
+  uint64_t fenced = 0;            // fenced frames not yet acknowledged; fence_mu
+  bool draining = false;          // a thread sends the backlog; fence_mu
+  std::deque<HeldPost> backlog;   // fence_mu
 };
 
 class TcpTransport;
@@ -300,7 +323,23 @@ class TcpTransport final : public Transport {
     uint64_t chunk = 0;
   };
   Result<PostPlan> plan_post(PeerId peer, const std::vector<Segment>& segments);
-  Status enqueue(Group& group, std::vector<std::unique_ptr<TxFrame>> frames);
+  // Sends a request's frames, or queues them while the group's cancel fence
+  // stands (then Ok; a failure later fails `transfer`).
+  Status enqueue(Group& group, const std::shared_ptr<Transfer>& transfer,
+                 std::vector<std::unique_ptr<TxFrame>> frames);
+  // Frame k on stream (next_stream + k) % n.
+  Status send_frames(Group& group, std::vector<std::unique_ptr<TxFrame>> frames);
+  // --- the cancel fence ---
+  // Queues `post` if the group is held (then true, `post` moved from).
+  static bool hold(Group& group, HeldPost& post);
+  // cancel() of write `t`: its frames not yet started on `s` will never be;
+  // those (partly) sent raise the fence until acknowledged. tx_mu held.
+  static void fence_sent_frames(Group& group, Stream& s, const Transfer& t);
+  // A fenced frame's WRITE_ACK arrived on `s`.
+  void unfence(Stream& s);
+  // Sends the backlog while no fence stands; lowers `held` once it is empty.
+  void release_held(Group& group);
+  void send_held(Group& group, HeldPost& post);
   bool enqueue_on(Stream& s, std::unique_ptr<TxFrame> frame);
   // The same, sent by the stream's I/O thread rather than this one: for the
   // GPU path's watcher, which must not spend a send (~5 us on loopback) per
