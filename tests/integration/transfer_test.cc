@@ -508,6 +508,43 @@ TEST_F(TransferTest, CancelReturnsAtOnceWhileThePeerIsStalled) {
   }
 }
 
+// tcp's cancel fence (docs/design.md): a write posted after cancel() while
+// frames of the cancelled write are unacknowledged waits behind them; when the
+// peer dies meanwhile, that write fails at once instead of waiting for
+// acknowledgements that will never come.
+TEST_F(TransferTest, TcpRequestHeldByTheCancelFenceFailsWhenThePeerDies) {
+  constexpr uint64_t kLen = 64 << 20;
+  ASSERT_NO_FATAL_FAILURE(Connect(kLen));
+  auto routes = engine_->peer_transports(pid_);
+  ASSERT_TRUE(routes.ok()) << routes.status().to_string();
+  bool tcp = false;
+  for (const PeerTransportInfo& route : *routes) {
+    tcp |= route.connected && route.transport == "tcp" &&
+           route.carries.find("host memory") != std::string::npos;
+  }
+  if (!tcp) GTEST_SKIP() << "host memory is not carried by tcp here";
+  LocalBuffer buf(*engine_, kLen);
+  std::vector<LocalIov> l(4, LocalIov{buf.data(), kLen});
+  std::vector<RemoteIov> r(4, RemoteIov{&peer_->rw, 0, kLen});
+  peer_->process().Kill(SIGSTOP);
+  auto id = engine_->write_async(pid_, l, r);
+  ASSERT_TRUE(id.ok()) << id.status().to_string();
+  std::this_thread::sleep_for(300ms);  // socket buffers fill: frames sent, none acknowledged
+  ASSERT_TRUE(engine_->cancel(*id).ok());
+  LocalBuffer small(*engine_, 4096);
+  LocalIov sl{small.data(), 4096};
+  RemoteIov sr{&peer_->rw, 0, 4096};
+  auto later = engine_->write_async(pid_, {&sl, 1}, {&sr, 1});
+  ASSERT_TRUE(later.ok()) << later.status().to_string();
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(engine_->test(*later).code(), StatusCode::kInProgress);
+  peer_->process().Kill(SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status s = engine_->wait(*later, 10s);
+  EXPECT_EQ(s.code(), StatusCode::kPeerDisconnected) << s.to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+}
+
 TEST_F(TransferTest, CancelLargeReadStopsWritingLocalMemory) {
   ASSERT_NO_FATAL_FAILURE(Connect(64 << 20));
   constexpr uint64_t kLen = 64 << 20;
