@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/stage_trace.h"
@@ -379,6 +380,92 @@ TEST_F(TcpGpuSmallStaging, ReadsInFlightTogetherShareTwoSlots) {
         0, std::memcmp(got.data() + i * (8u << 20), image.data() + (3 - i) * (8u << 20), 8u << 20))
         << "read " << i << " differs";
   }
+}
+
+// A GPU write posted after cancel() of a GPU write returned is never
+// overwritten by bytes of the cancelled write still on their way (frames on
+// another stream, a target copy in progress). Both processes run 4 I/O
+// threads, so the target places frames of different streams in parallel (as
+// transfer_test's CancelledWriteNeverOverwritesALaterWrite does for host
+// memory). The two writes after each cancel() are GPU writes posted back to
+// back: the first is held by tcp's cancel fence while the cancelled write's
+// frames are unanswered (and replayed through the staging path), the second
+// queues behind it.
+class TcpGpuCancel : public TcpGpuMemory {
+ protected:
+  void SetUp() override {
+    setenv("FERRY_TCP_IO_THREADS", "4", 1);  // inherited by the target process
+    TcpGpuMemory::SetUp();
+  }
+  void TearDown() override {
+    TcpGpuMemory::TearDown();
+    unsetenv("FERRY_TCP_IO_THREADS");
+  }
+};
+
+TEST_F(TcpGpuCancel, CancelledGpuWriteNeverOverwritesALaterWrite) {
+  constexpr uint64_t kRange = 4u << 20;
+  constexpr uint64_t kSmall = 64u << 10;
+  constexpr uint64_t kHalf = kSmall / 2;
+  constexpr uint64_t kSmallAt = kRange - kSmall;  // where a running copy of the range ends
+  constexpr int kIovs = 64;                       // 256 MiB per large write
+  ASSERT_EQ(target_.ask("fill 31"), "ok");
+  std::vector<uint8_t> big(kRange);
+  gputest::fill(big.data(), kRange, 96);
+  ASSERT_EQ(cudaMemcpy(local_gpu_, big.data(), kRange, cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<LocalIov> l(kIovs, LocalIov{local_gpu_, kRange});
+  std::vector<RemoteIov> r(kIovs, RemoteIov{&remote_gpu_, 0, kRange});
+  uint8_t* small_src = static_cast<uint8_t*>(local_gpu_) + kRange;
+  uint8_t* small_back = small_src + kSmall;
+  const LocalIov sl[2] = {{small_src, kHalf}, {small_src + kHalf, kHalf}};
+  const RemoteIov sr[2] = {{&remote_gpu_, kSmallAt, kHalf},
+                           {&remote_gpu_, kSmallAt + kHalf, kHalf}};
+  std::vector<uint8_t> image(kSmall), back(kSmall);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  int rounds = 0, cancelled = 0;
+  for (uint64_t seed = 4000; rounds < 100 && std::chrono::steady_clock::now() < end; ++seed) {
+    SCOPED_TRACE("round " + std::to_string(rounds));
+    ++rounds;
+    auto id = engine_->write_async(peer_, l, r);
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    std::this_thread::sleep_for(std::chrono::microseconds(250 * (rounds % 8)));
+    ASSERT_TRUE(engine_->cancel(*id).ok());
+    const Status c = engine_->wait(*id, std::chrono::seconds(30));
+    ASSERT_TRUE(c.code() == StatusCode::kCancelled || c.ok()) << c.to_string();
+    if (c.code() == StatusCode::kCancelled) ++cancelled;
+    gputest::fill(image.data(), kSmall, seed);
+    ASSERT_EQ(cudaMemcpy(small_src, image.data(), kSmall, cudaMemcpyHostToDevice), cudaSuccess);
+    TransferId after[2];
+    for (int k = 0; k < 2; ++k) {
+      auto w = engine_->write_async(peer_, std::span(&sl[k], 1), std::span(&sr[k], 1));
+      ASSERT_TRUE(w.ok()) << w.status().to_string();
+      after[k] = *w;
+    }
+    for (TransferId w : after) {
+      const Status s = engine_->wait(w, std::chrono::seconds(30));
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    // Late frames of the cancelled write would land within a millisecond or
+    // two; give them time to (they must not) before looking.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const std::string sum =
+        target_.ask("sum gpu " + std::to_string(kSmallAt) + " " + std::to_string(kSmall));
+    ASSERT_EQ(sum, "sum " + std::to_string(gputest::fnv(image.data(), kSmall)))
+        << "the target's GPU bytes of writes posted after cancel() returned were overwritten"
+        << (sum == "sum " + std::to_string(gputest::fnv(big.data() + kSmallAt, kSmall))
+                ? " by the cancelled write's bytes"
+                : " in part");
+    ASSERT_EQ(cudaMemset(small_back, 0, kSmall), cudaSuccess);
+    const LocalIov bl{small_back, kSmall};
+    const RemoteIov br{&remote_gpu_, kSmallAt, kSmall};
+    const Status s = engine_->read(peer_, std::span(&bl, 1), std::span(&br, 1));
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    ASSERT_EQ(cudaMemcpy(back.data(), small_back, kSmall, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(0, std::memcmp(back.data(), image.data(), kSmall))
+        << "read back differs from the writes posted after cancel()";
+  }
+  EXPECT_GT(cancelled, 0) << "no round caught the large write before it finished";
+  std::printf("%d rounds, %d cancelled before they finished\n", rounds, cancelled);
 }
 
 // A malformed measurement knob of the GPU path is refused by name when the
