@@ -51,6 +51,14 @@ const OptionSpec kFabricOptionSpecs[] = {
      "the progress thread polls the completion queue this long after its last event before it "
      "sleeps (a provider with manual progress moves bytes only while polled)",
      0, 1000000},
+    {"fabric.combine_after", OptionType::kUint, "2",
+     "small operations to a peer with this many RMA operations in flight wait and go out "
+     "combined, several to one provider operation, where the provider takes several remote iovs "
+     "per operation (tcp;ofi_rxm: 4); 0: never combined",
+     0, 65536},
+    {"fabric.combine_max_bytes", OptionType::kBytes, "64KiB",
+     "the largest one-segment operation that may be combined with others (fabric.combine_after)", 1,
+     8ull << 20},
     {"fabric.hmem", OptionType::kString, "auto",
      "GPU memory registered with the provider (FI_HMEM, CUDA): auto (where the provider offers "
      "it), on (required: the transport does not start without it), off (local GPU memory is "
@@ -400,6 +408,10 @@ Status FabricTransport::open_fabric() {
 
   mr_mode_ = info_->domain_attr->mr_mode;
   iov_limit_ = std::clamp<size_t>(info_->tx_attr->iov_limit, 1, Op::kMaxIov);
+  combine_limit_ =
+      opt_.combine_after == 0
+          ? 1
+          : std::min(iov_limit_, std::clamp<size_t>(info_->tx_attr->rma_iov_limit, 1, Op::kMaxIov));
   if (info_->ep_attr->max_msg_size > 0) {
     max_op_bytes_ = std::min<uint64_t>(max_op_bytes_, info_->ep_attr->max_msg_size);
   }
@@ -448,10 +460,14 @@ Status FabricTransport::open_fabric() {
                               ? "local staged through pinned host memory (no FI_HMEM" +
                                     (no_hmem.empty() ? std::string() : ": " + no_hmem) + ")"
                               : "none (no CUDA here)");
-  address_text_ = fmt::format("{} domain {} at {} (mr_mode {}, {} completion, iov_limit {}; {})",
-                              prov, info_->domain_attr->name ? info_->domain_attr->name : "?", text,
-                              mr_mode_text(mr_mode_), delivery_complete_ ? "delivery" : "transmit",
-                              iov_limit_, gpu_text);
+  const std::string combine_text =
+      combine_limit_ > 1 ? fmt::format("up to {} small ops combined beyond {} in flight to a peer",
+                                       combine_limit_, opt_.combine_after)
+                         : std::string("small ops not combined");
+  address_text_ = fmt::format(
+      "{} domain {} at {} (mr_mode {}, {} completion, iov_limit {}, {}; {})", prov,
+      info_->domain_attr->name ? info_->domain_attr->name : "?", text, mr_mode_text(mr_mode_),
+      delivery_complete_ ? "delivery" : "transmit", iov_limit_, combine_text, gpu_text);
   return Status::Ok();
 }
 
@@ -487,6 +503,8 @@ Status FabricTransport::start_unmasked(const TransportContext& context) {
   opt_.grant_timeout = std::chrono::milliseconds(o.get_uint("fabric.grant_timeout_ms"));
   opt_.peer_timeout = std::chrono::milliseconds(o.get_uint("fabric.peer_timeout_ms"));
   opt_.poll_spin = std::chrono::microseconds(o.get_uint("fabric.poll_spin_us"));
+  opt_.combine_after = static_cast<uint32_t>(o.get_uint("fabric.combine_after"));
+  opt_.combine_max_bytes = o.get_uint("fabric.combine_max_bytes");
   opt_.gpu_staging_bytes = o.get_uint("fabric.gpu_staging_bytes");
   const std::string hmem = o.get_string("fabric.hmem");
   if (hmem == "auto") {
@@ -600,6 +618,7 @@ void FabricTransport::shutdown(const Status& reason) {
       queue_.clear();
       for (auto& op : ops_) {
         op->job.reset();
+        for (auto& j : op->more) j.reset();
       }
     }
     std::unique_ptr<staging::GpuPath> path;
@@ -1045,6 +1064,8 @@ Op* FabricTransport::take_op() {
 
 void FabricTransport::give_op(Op* op) {
   op->job.reset();
+  for (size_t k = 1; k < op->parts; ++k) op->more[k - 1].reset();
+  op->parts = 1;
   op->group = -1;
   op->peer.reset();
   op->bytes = 0;
@@ -1080,11 +1101,11 @@ Status FabricTransport::send_locked(const std::shared_ptr<Peer>& p, fi_addr_t ad
       return err::Internal("fabric: registering a send buffer: " + fi_error(r));
     }
   }
-  op->rma.addr = addr;  // kept for a retry after FI_EAGAIN
+  op->to = addr;  // kept for a retry after FI_EAGAIN
   // Per peer in order: behind a message to the same peer still waiting for
   // room, never behind another peer's (a dead peer must not block the rest).
   if (std::any_of(send_queue_.begin(), send_queue_.end(),
-                  [addr](const Op* q) { return q->rma.addr == addr; })) {
+                  [addr](const Op* q) { return q->to == addr; })) {
     send_queue_.push_back(op);
     wake(/*urgent=*/true);
     return Status::Ok();
@@ -1199,7 +1220,7 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
       }
     }
     add_live_locked(job);
-    if (queue_.empty() && send_queue_.empty() && job->groups.empty()) {
+    if (queue_.empty() && send_queue_.empty() && job->groups.empty() && !held_for_combining(*job)) {
       // Nothing waits before it: posted here, without a round through queue_
       // (what the window or the provider leaves joins it).
       while (!job->stopped && job->next < segs.size() && inflight_ < opt_.max_inflight &&
@@ -1214,8 +1235,11 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
       pump_locked();
     }
     maybe_finish_locked(job);
+    // A job held for combining needs no wake-up either: the completion of
+    // one of its peer's ops in flight pumps it.
     handed_over = job->finished || job->stopped ||
-                  (job->next >= job->segs.size() && job->groups.empty() && send_queue_.empty());
+                  (job->next >= job->segs.size() && job->groups.empty() && send_queue_.empty()) ||
+                  held_for_combining(*job);
   }
   if (!job->groups.empty()) start_staging(job);
   // Nobody will poll the CQ for a transfer this large (core's wait() sleeps
@@ -1493,9 +1517,9 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
     }
     if (total == max_op_bytes_) break;
   }
-  op->rma.addr = start;
-  op->rma.len = total;
-  op->rma.key = key;
+  op->rma[0].addr = start;
+  op->rma[0].len = total;
+  op->rma[0].key = key;
   op->bytes = total;
   op->remote_region = job.segs[i].remote.region_id;
   struct fi_msg_rma msg {};
@@ -1503,7 +1527,7 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   msg.desc = job.descs.empty() ? nullptr : op->desc;
   msg.iov_count = op->niov;
   msg.addr = job.peer->addr;
-  msg.rma_iov = &op->rma;
+  msg.rma_iov = op->rma;
   msg.rma_iov_count = 1;
   msg.context = &op->ctx;
   ssize_t r;
@@ -1533,6 +1557,82 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   ++job.posted;
   ++inflight_;
   inflight_bytes_ += total;
+  ++job.peer->inflight_ops;
+  return true;
+}
+
+bool FabricTransport::combinable(const Job& job) const {
+  return combine_limit_ > 1 && job.segs.size() == 1 && job.next == 0 && job.next_off == 0 &&
+         !job.stopped && job.groups.empty() && job.segs[0].local_device < 0 &&
+         job.segs[0].length > 0 && job.segs[0].length <= opt_.combine_max_bytes;
+}
+
+bool FabricTransport::held_for_combining(const Job& job) const {
+  return combinable(job) && job.peer->inflight_ops >= opt_.combine_after;
+}
+
+bool FabricTransport::post_combined_locked(const std::shared_ptr<Job>* parts, size_t n) {
+  Job& first = *parts[0];
+  Op* op = take_op();
+  op->kind = Op::kRma;
+  op->group = -1;
+  op->niov = n;
+  uint64_t total = 0;
+  for (size_t k = 0; k < n; ++k) {
+    Job& j = *parts[k];
+    const Segment& s = j.segs[0];
+    op->iov[k].iov_base = s.local;
+    op->iov[k].iov_len = s.length;
+    op->desc[k] = j.descs.empty() ? nullptr : j.descs[0];
+    op->rma[k].addr = j.key(0).base;
+    op->rma[k].len = s.length;
+    op->rma[k].key = j.key(0).mr_key;
+    total += s.length;
+  }
+  op->bytes = total;
+  op->remote_region = first.segs[0].remote.region_id;
+  struct fi_msg_rma msg {};
+  msg.msg_iov = op->iov;
+  msg.desc = first.descs.empty() ? nullptr : op->desc;
+  msg.iov_count = n;
+  msg.addr = first.peer->addr;
+  msg.rma_iov = op->rma;
+  msg.rma_iov_count = n;
+  msg.context = &op->ctx;
+  const ssize_t r =
+      first.write
+          ? fi_writemsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0))
+          : fi_readmsg(ep_, &msg, FI_COMPLETION);
+  if (r == -FI_EAGAIN) {
+    give_op(op);
+    return false;
+  }
+  if (r != 0) {
+    give_op(op);
+    for (size_t k = 0; k < n; ++k) {
+      Job& j = *parts[k];
+      j.stopped = true;
+      if (j.error.ok()) {
+        j.error = err::PeerDisconnected(fmt::format(
+            "fabric: {}: posting {} of {} bytes to region {} (combined with {} other small "
+            "operations): {}",
+            describe(*j.peer), j.write ? "a write" : "a read", j.segs[0].length,
+            j.segs[0].remote.region_id, n - 1, fi_error(static_cast<int>(r))));
+      }
+    }
+    return false;
+  }
+  op->job = parts[0];
+  op->parts = n;
+  for (size_t k = 0; k < n; ++k) {
+    Job& j = *parts[k];
+    if (k > 0) op->more[k - 1] = parts[k];
+    j.next = 1;
+    ++j.posted;
+  }
+  ++inflight_;
+  inflight_bytes_ += total;
+  ++first.peer->inflight_ops;
   return true;
 }
 
@@ -1546,7 +1646,7 @@ void FabricTransport::pump_locked() {
   };
   for (auto it = send_queue_.begin(); it != send_queue_.end();) {
     Op* op = *it;
-    if (is_blocked(op->rma.addr)) {
+    if (is_blocked(op->to)) {
       ++it;
       continue;
     }
@@ -1558,12 +1658,12 @@ void FabricTransport::pump_locked() {
     msg.msg_iov = &iov;
     msg.desc = &desc;
     msg.iov_count = 1;
-    msg.addr = op->rma.addr;
+    msg.addr = op->to;
     msg.context = &op->ctx;
     ssize_t r =
         fi_sendmsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
     if (r == -FI_EAGAIN) {
-      blocked.push_back(op->rma.addr);
+      blocked.push_back(op->to);
       ++it;
       continue;
     }
@@ -1572,6 +1672,9 @@ void FabricTransport::pump_locked() {
       on_completion(op, err::PeerDisconnected("fabric: fi_send: " + fi_error(static_cast<int>(r))));
     }
   }
+  // Jobs held for combining are not backlog: a completion pumps them.
+  bool backlog = false;
+  std::shared_ptr<Job> parts[Op::kMaxIov];
   for (auto it = queue_.begin(); it != queue_.end();) {
     std::shared_ptr<Job> job = *it;
     if (job->stopped || job->next >= job->segs.size()) {
@@ -1579,17 +1682,59 @@ void FabricTransport::pump_locked() {
       maybe_finish_locked(job);
       continue;
     }
-    if (inflight_ >= opt_.max_inflight || inflight_bytes_ >= opt_.max_inflight_bytes) break;
+    if (inflight_ >= opt_.max_inflight || inflight_bytes_ >= opt_.max_inflight_bytes) {
+      backlog = true;
+      break;
+    }
     if (is_blocked(job->peer->addr) || staged_waiting_locked(*job)) {
+      backlog = true;
       ++it;  // a staged group still waits for its slot or copy: not the peer's fault
       continue;
     }
+    if (combinable(*job)) {
+      // Company from the jobs queued behind it: same peer, direction and
+      // remote region (a refused key fails only what asked for it).
+      size_t n = 1;
+      parts[0] = job;
+      uint64_t bytes = job->segs[0].length;
+      size_t looked = 0;
+      for (auto jt = std::next(it);
+           jt != queue_.end() && n < combine_limit_ && looked < 4 * combine_limit_;
+           ++jt, ++looked) {
+        const Job& o = **jt;
+        if (o.peer != job->peer || o.write != job->write || !combinable(o) ||
+            o.segs[0].remote.region_id != job->segs[0].remote.region_id ||
+            o.key(0).mr_key != job->key(0).mr_key || o.descs.empty() != job->descs.empty() ||
+            bytes + o.segs[0].length > max_op_bytes_) {
+          continue;
+        }
+        parts[n++] = *jt;
+        bytes += o.segs[0].length;
+      }
+      const bool hold = n < combine_limit_ && job->peer->inflight_ops >= opt_.combine_after;
+      bool posted = false;
+      if (!hold && n > 1) posted = post_combined_locked(parts, n);
+      for (size_t k = 0; k < n; ++k) parts[k].reset();
+      if (hold) {
+        ++it;
+        continue;
+      }
+      if (n > 1) {
+        if (!posted && !job->stopped) {
+          blocked.push_back(job->peer->addr);  // FI_EAGAIN: retried after completions
+          backlog = true;
+          ++it;
+        }
+        continue;
+      }
+    }
     if (!post_one_locked(*job, job) && !job->stopped) {
       blocked.push_back(job->peer->addr);  // FI_EAGAIN: retried after completions
+      backlog = true;
       ++it;
     }
   }
-  backlog_.store(!send_queue_.empty() || !queue_.empty(), std::memory_order_relaxed);
+  backlog_.store(!send_queue_.empty() || backlog, std::memory_order_relaxed);
 }
 
 void FabricTransport::add_live_locked(const std::shared_ptr<Job>& job) {
@@ -1693,38 +1838,29 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
   if (op->kind == Op::kRma) {
     --inflight_;
     inflight_bytes_ -= op->bytes;
-    std::shared_ptr<Job> job = std::move(op->job);
     const RegionId region = op->remote_region;
+    if (op->parts > 1) {
+      std::shared_ptr<Job> jobs[Op::kMaxIov];
+      uint64_t lengths[Op::kMaxIov];
+      const size_t n = op->parts;
+      for (size_t k = 0; k < n; ++k) {
+        jobs[k] = k == 0 ? std::move(op->job) : std::move(op->more[k - 1]);
+        lengths[k] = op->iov[k].iov_len;
+      }
+      give_op(op);
+      if (jobs[0]) --jobs[0]->peer->inflight_ops;
+      for (size_t k = 0; k < n; ++k) {
+        if (jobs[k]) rma_done_locked(std::move(jobs[k]), region, -1, lengths[k], error);
+      }
+      return;
+    }
+    std::shared_ptr<Job> job = std::move(op->job);
     const int32_t group = op->group;
     const uint64_t bytes = op->bytes;
     give_op(op);
     if (!job) return;
-    ++job->done;
-    if (group >= 0) {
-      StageGroup& g = job->groups[static_cast<size_t>(group)];
-      g.left -= std::min(g.left, bytes);
-      // Only once none of its ops is in flight may the slot go back (a
-      // stopped job's unposted pieces keep it until the job is dropped).
-      if (g.left == 0) group_done_locked(job, static_cast<size_t>(group), error);
-    }
-    if (!error.ok()) {
-      job->stopped = true;
-      if (job->error.ok()) {
-        bool revoked = false;
-        {
-          std::lock_guard plock(job->peer->mu);
-          revoked = job->peer->revoked.count(region) > 0;
-        }
-        job->error =
-            revoked ? err::NotFound(fmt::format(
-                          "fabric: region {} on {} was deregistered during the {}: {}", region,
-                          describe(*job->peer), job->write ? "write" : "read", error.message()))
-                    : error;
-      }
-    }
-    maybe_finish_locked(job);
-    notify_job_waiters_locked();
-    if (!acks_due_.empty()) send_due_acks_locked();
+    --job->peer->inflight_ops;
+    rma_done_locked(std::move(job), region, group, bytes, error);
     return;
   }
   if (op->kind == Op::kSend) {
@@ -1740,6 +1876,36 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
     remove_live_locked(*job);
     notify_job_waiters_locked();
   }
+}
+
+void FabricTransport::rma_done_locked(std::shared_ptr<Job> job, RegionId region, int32_t group,
+                                      uint64_t bytes, const Status& error) {
+  ++job->done;
+  if (group >= 0) {
+    StageGroup& g = job->groups[static_cast<size_t>(group)];
+    g.left -= std::min(g.left, bytes);
+    // Only once none of its ops is in flight may the slot go back (a
+    // stopped job's unposted pieces keep it until the job is dropped).
+    if (g.left == 0) group_done_locked(job, static_cast<size_t>(group), error);
+  }
+  if (!error.ok()) {
+    job->stopped = true;
+    if (job->error.ok()) {
+      bool revoked = false;
+      {
+        std::lock_guard plock(job->peer->mu);
+        revoked = job->peer->revoked.count(region) > 0;
+      }
+      job->error = revoked
+                       ? err::NotFound(fmt::format(
+                             "fabric: region {} on {} was deregistered during the {}: {}", region,
+                             describe(*job->peer), job->write ? "write" : "read", error.message()))
+                       : error;
+    }
+  }
+  maybe_finish_locked(job);
+  notify_job_waiters_locked();
+  if (!acks_due_.empty()) send_due_acks_locked();
 }
 
 void FabricTransport::handle_entry(const struct fi_cq_data_entry& e) {

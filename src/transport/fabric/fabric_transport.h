@@ -95,6 +95,8 @@ struct FabricOptions {
   std::chrono::milliseconds grant_timeout{10000};
   std::chrono::milliseconds peer_timeout{1500};
   std::chrono::microseconds poll_spin{50};
+  uint32_t combine_after = 2;
+  uint64_t combine_max_bytes = 64 << 10;
   enum class Hmem : uint8_t { kAuto, kOn, kOff } hmem = Hmem::kAuto;
   uint64_t gpu_staging_bytes = 64ull << 20;
 };
@@ -118,6 +120,11 @@ struct Peer {
   // its GPU memory can be reached one-sided. Set before the peer is listed.
   bool hmem = false;
 
+  // RMA ops to the peer posted and not completed; under the transport's
+  // post_mu_ (small operations wait to be combined beyond
+  // fabric.combine_after of them).
+  uint32_t inflight_ops = 0;
+
   std::mutex mu;
   std::condition_variable cv;
   std::string dead_reason;  // under mu
@@ -135,6 +142,10 @@ struct Peer {
 
 // One posted provider operation (an RMA op, a send or a receive). The
 // fi_context2 is first: the completion's op_context is the Op.
+//
+// An RMA op moves part of one job -- or, combined, the whole of several
+// small one-segment jobs to one peer's region (`parts` > 1: job is the
+// first, more[] the rest, iov[k] / rma[k] the k-th job's bytes).
 struct Op {
   static constexpr size_t kMaxIov = 8;
   struct fi_context2 ctx;
@@ -147,9 +158,12 @@ struct Op {
   RegionId remote_region = 0;
   int32_t group = -1;  // the staging group its local iovs lie in (-1: none)
   size_t niov = 0;
+  size_t parts = 1;                        // jobs it carries (RMA)
+  std::shared_ptr<Job> more[kMaxIov - 1];  // combined: jobs 2..parts
+  fi_addr_t to = FI_ADDR_UNSPEC;           // a send's destination (kept for a retry)
   struct iovec iov[kMaxIov];
   void* desc[kMaxIov];
-  struct fi_rma_iov rma;
+  struct fi_rma_iov rma[kMaxIov];
 };
 
 // Staged segments of a job (local GPU memory without FI_HMEM): consecutive
@@ -212,6 +226,7 @@ struct Job {
   RemoteKey one_key;
   std::vector<RemoteKey> more_keys;
   RemoteKey& key(size_t i) { return more_keys.empty() ? one_key : more_keys[i]; }
+  const RemoteKey& key(size_t i) const { return more_keys.empty() ? one_key : more_keys[i]; }
   std::vector<void*> descs;  // per segment (FI_MR_LOCAL, or local GPU memory under FI_HMEM)
   // Staging (empty when no segment is staged): per segment its group (-1:
   // none) and offset in the group's slot.
@@ -330,6 +345,19 @@ class FabricTransport final : public Transport {
   void give_op(Op* op);
   void pump_locked();
   bool post_one_locked(Job& job, const std::shared_ptr<Job>& ref);
+  // Combining small jobs (docs/fabric.md, "Small operations combined"):
+  // `job` is one segment of host memory, at most fabric.combine_max_bytes,
+  // nothing of it posted yet.
+  bool combinable(const Job& job) const;
+  // A combinable job waits in queue_ for company while its peer has
+  // fabric.combine_after RMA ops in flight: one of their completions pumps.
+  bool held_for_combining(const Job& job) const;
+  // Posts parts[0..n) (combinable, one peer, one key) as one op; false when
+  // the provider is full (FI_EAGAIN) or failed (the jobs are stopped).
+  bool post_combined_locked(const std::shared_ptr<Job>* parts, size_t n);
+  // One job's share of a completed RMA op.
+  void rma_done_locked(std::shared_ptr<Job> job, RegionId region, int32_t group, uint64_t bytes,
+                       const Status& error);
   void maybe_finish_locked(const std::shared_ptr<Job>& job);
   Status send_locked(const std::shared_ptr<Peer>& p, fi_addr_t addr, Bytes bytes,
                      std::shared_ptr<Job> job);
@@ -382,6 +410,9 @@ class FabricTransport final : public Transport {
   bool delivery_complete_ = false;
   size_t iov_limit_ = 1;
   uint64_t max_op_bytes_ = 8ull << 20;
+  // Most jobs one combined RMA op carries: the provider's iov_limit and
+  // rma_iov_limit (1: never combined; tcp;ofi_rxm takes 4).
+  size_t combine_limit_ = 1;
   std::atomic<uint64_t> next_key_{1};
   std::atomic<uint64_t> next_request_{1};
 
