@@ -6,6 +6,9 @@
 //   raw_fi_write [provider] [depth] [seconds] [delivery|transmit] [sizes]
 //
 // sizes: comma-separated bytes (default 4096,65536,1048576,16777216).
+// RAW_COMBINE=K (1 to 4) puts K blocks in each fi_writemsg, one local and one
+// remote iov each (`depth` then counts operations: K * depth blocks in
+// flight) -- what Ferry's combining of small operations does, without Ferry.
 // RAW_PIN=A,B pins the writer to CPU A and the target child to CPU B (as
 // bench/fabric/pinned.sh pins Ferry's two processes).
 //
@@ -113,6 +116,12 @@ int main(int argc, char** argv) {
       pos = next + 1;
     }
   }
+  size_t combine = 1;
+  if (const char* v = std::getenv("RAW_COMBINE")) combine = std::strtoull(v, nullptr, 10);
+  if (combine < 1 || combine > 4) {
+    std::fprintf(stderr, "RAW_COMBINE: 1 to 4 blocks per operation\n");
+    return 2;
+  }
   int pin_parent = -1, pin_child = -1;
   if (const char* v = std::getenv("RAW_PIN")) std::sscanf(v, "%d,%d", &pin_parent, &pin_child);
   auto pin = [](int cpu) {
@@ -158,8 +167,8 @@ int main(int argc, char** argv) {
   fid_mr* lmr = nullptr;
   if (!reg(f, src.data(), src.size(), FI_WRITE, &lmr)) return 1;
   void* desc = fi_mr_desc(lmr);
-  std::printf("raw fi_write, provider %s, depth %d, %s completion\n",
-              f.info->fabric_attr->prov_name, depth, delivery ? "delivery" : "transmit");
+  std::printf("raw fi_write, provider %s, depth %d, %s completion, %zu block(s) per operation\n",
+              f.info->fabric_attr->prov_name, depth, delivery ? "delivery" : "transmit", combine);
   std::vector<fi_context2> ctx(depth);
   for (size_t size : sizes) {
     const size_t slots = buf_bytes / size;
@@ -171,9 +180,31 @@ int main(int argc, char** argv) {
       bool posting = true;
       while (posting || inflight > 0) {
         while (posting && inflight < depth) {
-          const size_t at = (posted % slots) * size;
-          ssize_t r = fi_write(f.ep, src.data() + at, size, desc, peer, t.base + at, t.key,
-                               &ctx[posted % depth]);
+          ssize_t r;
+          if (combine == 1) {  // the reference loop: one fi_write per block
+            const size_t at = (posted % slots) * size;
+            r = fi_write(f.ep, src.data() + at, size, desc, peer, t.base + at, t.key,
+                         &ctx[posted % depth]);
+          } else {
+            iovec iov[4];
+            void* descs[4];
+            fi_rma_iov rma[4];
+            for (size_t k = 0; k < combine; ++k) {
+              const size_t at = ((posted * combine + k) % slots) * size;
+              iov[k] = {src.data() + at, size};
+              descs[k] = desc;
+              rma[k] = {t.base + at, size, t.key};
+            }
+            fi_msg_rma msg{};
+            msg.msg_iov = iov;
+            msg.desc = descs;
+            msg.iov_count = combine;
+            msg.addr = peer;
+            msg.rma_iov = rma;
+            msg.rma_iov_count = combine;
+            msg.context = &ctx[posted % depth];
+            r = fi_writemsg(f.ep, &msg, FI_COMPLETION | (delivery ? FI_DELIVERY_COMPLETE : 0));
+          }
           if (r == -FI_EAGAIN) break;
           if (r != 0) {
             std::fprintf(stderr, "fi_write: %s\n", fi_strerror(static_cast<int>(-r)));
@@ -197,7 +228,7 @@ int main(int argc, char** argv) {
       }
       const double s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      return static_cast<double>(done) * size / s / 1e9;
+      return static_cast<double>(done * combine) * size / s / 1e9;
     };
     run(0.3);  // warm-up (connection set-up)
     std::printf("size %zu GB/s %.3f\n", size, run(seconds));

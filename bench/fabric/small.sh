@@ -7,6 +7,11 @@
 # medians and the median of the per-round ratios (the method of part 6 of
 # bench/results/fabric_vs_raw_runs.txt).
 #
+# FERRY_BENCH_COMBINING=1 adds two cells per round: the raw loop with 4 blocks
+# per fi_writemsg and 4 operations in flight (RAW_COMBINE=4: what Ferry's
+# combining of small operations does, without Ferry), and Ferry with
+# combining off (fabric.combine_after=0: one operation per call).
+#
 #   bench/fabric/small.sh [build dir, default build] [seconds per cell, default 2] [bytes, default 4096]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -14,6 +19,7 @@ BUILD=${1:-$ROOT/build}
 SECS=${2:-2}
 SIZE=${3:-4096}
 ROUNDS=${FERRY_BENCH_ROUNDS:-15}
+COMBINING=${FERRY_BENCH_COMBINING:-0}
 PROVIDER=${FERRY_FABRIC_PROVIDER:-tcp;ofi_rxm}
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
@@ -38,16 +44,31 @@ wait_idle() {
   return 0
 }
 
+ferry() {  # GB/s of Ferry over fabric, extra engine options as arguments
+  "$BUILD/tools/ferry-bench" --spawn-local --op write -s "$SIZE" -d 16 --time "$SECS" \
+    --json -q -o engine.transports=fabric,tcp -o "fabric.provider=$PROVIDER" "$@" |
+    python3 -c "import sys, json; print(round(next(json.loads(l) for l in sys.stdin if l.startswith('{'))['gbps'], 3))"
+}
 echo "load: $(uptime)"
-echo "round raw_GBps ferry_GBps"
+if [ "$COMBINING" = 1 ]; then
+  echo "round raw_GBps ferry_GBps raw_4_per_op_GBps ferry_uncombined_GBps"
+else
+  echo "round raw_GBps ferry_GBps"
+fi
 for r in $(seq 1 "$ROUNDS"); do
   wait_idle
   raw=$("$OUT/raw_fi_write" "$PROVIDER" 16 "$SECS" delivery "$SIZE" | awk '/^size/{print $4}')
   wait_idle
-  ferry=$("$BUILD/tools/ferry-bench" --spawn-local --op write -s "$SIZE" -d 16 --time "$SECS" \
-    --json -q -o engine.transports=fabric,tcp -o "fabric.provider=$PROVIDER" |
-    python3 -c "import sys, json; print(round(next(json.loads(l) for l in sys.stdin if l.startswith('{'))['gbps'], 3))")
-  echo "$r $raw $ferry"
+  fer=$(ferry)
+  if [ "$COMBINING" = 1 ]; then
+    wait_idle
+    raw4=$(RAW_COMBINE=4 "$OUT/raw_fi_write" "$PROVIDER" 4 "$SECS" delivery "$SIZE" | awk '/^size/{print $4}')
+    wait_idle
+    off=$(ferry -o fabric.combine_after=0)
+    echo "$r $raw $fer $raw4 $off"
+  else
+    echo "$r $raw $fer"
+  fi
 done | tee "$OUT/rounds.txt"
 echo "load: $(uptime)"
 python3 - "$OUT/rounds.txt" <<'PY'
@@ -61,4 +82,13 @@ print("ferry " + " ".join(f"{v:.3f}" for v in fer) + f"  median {mf:.3f}")
 print(f"ratio of medians {mf / mr:.3f}; median of the per-round ratios "
       f"{statistics.median(f / r for f, r in zip(fer, raw)):.3f}; Ferry ahead in "
       f"{sum(f >= r for f, r in zip(fer, raw))} of {len(rows)}")
+if len(rows[0]) > 3:
+    for name, col, ref, refname in (("raw, 4 blocks per op", 3, raw, "raw"),
+                                    ("ferry, combining off", 4, raw, "raw"),
+                                    ("ferry against raw 4 per op", 2, None, None)):
+        vals = [float(r[col]) for r in rows]
+        base = ref if ref is not None else [float(r[3]) for r in rows]
+        print(f"{name:27s} median {statistics.median(vals):.3f}; ratio of medians "
+              f"{statistics.median(vals) / statistics.median(base):.3f}; median per-round "
+              f"{statistics.median(v / b for v, b in zip(vals, base)):.3f}")
 PY
