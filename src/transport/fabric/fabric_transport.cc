@@ -408,10 +408,8 @@ Status FabricTransport::open_fabric() {
 
   mr_mode_ = info_->domain_attr->mr_mode;
   iov_limit_ = std::clamp<size_t>(info_->tx_attr->iov_limit, 1, Op::kMaxIov);
-  combine_limit_ =
-      opt_.combine_after == 0
-          ? 1
-          : std::min(iov_limit_, std::clamp<size_t>(info_->tx_attr->rma_iov_limit, 1, Op::kMaxIov));
+  rma_iov_limit_ = std::clamp<size_t>(info_->tx_attr->rma_iov_limit, 1, Op::kMaxIov);
+  combine_limit_ = opt_.combine_after == 0 ? 1 : std::min(iov_limit_, rma_iov_limit_);
   if (info_->ep_attr->max_msg_size > 0) {
     max_op_bytes_ = std::min<uint64_t>(max_op_bytes_, info_->ep_attr->max_msg_size);
   }
@@ -1477,8 +1475,10 @@ Status FabricTransport::post_notification(PeerId peer, const std::shared_ptr<Tra
   return post(peer, transfer, none, true);
 }
 
-// Posts one operation of `job` (several local iovs when consecutive segments
-// continue one remote range); false when the window or the provider is full.
+// Posts one operation of `job`: consecutive segments under one key, several
+// local iovs, and as many remote ranges as the provider takes per operation
+// (rma_iov_limit; a segment that continues the previous remote range extends
+// it); false when the window or the provider is full.
 bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref) {
   Op* op = take_op();
   op->kind = Op::kRma;
@@ -1486,7 +1486,8 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   uint64_t off = job.next_off;
   uint64_t total = 0;
   const uint64_t key = job.key(i).mr_key;
-  const uint64_t start = job.key(i).base + off;
+  size_t nrma = 1;
+  op->rma[0] = {job.key(i).base + off, 0, key};
   // Staged pieces: one op never mixes groups (a group's slot goes back when
   // its bytes completed) nor splits a piece (each fits one op).
   auto group_at = [&job](size_t k) { return job.group_of.empty() ? -1 : job.group_of[k]; };
@@ -1497,12 +1498,19 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   uint64_t end_off = off;
   while (end_i < job.segs.size() && op->niov < iov_limit_) {
     const Segment& s = job.segs[end_i];
-    if (op->niov > 0 &&
-        (job.key(end_i).mr_key != key || job.key(end_i).base != start + total ||
-         group_at(end_i) != group || (group >= 0 && s.length > max_op_bytes_ - total))) {
-      break;
+    if (op->niov > 0) {
+      if (job.key(end_i).mr_key != key || group_at(end_i) != group ||
+          (group >= 0 && s.length > max_op_bytes_ - total)) {
+        break;
+      }
+      const struct fi_rma_iov& last = op->rma[nrma - 1];
+      if (job.key(end_i).base != last.addr + last.len) {
+        if (nrma == rma_iov_limit_) break;
+        op->rma[nrma++] = {job.key(end_i).base, 0, key};
+      }
     }
     const uint64_t take = std::min<uint64_t>(s.length - end_off, max_op_bytes_ - total);
+    op->rma[nrma - 1].len += take;
     op->iov[op->niov].iov_base = group >= 0 ? job.groups[static_cast<size_t>(group)].slot->data() +
                                                   job.slot_off[end_i] + end_off
                                             : s.local + end_off;
@@ -1517,9 +1525,6 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
     }
     if (total == max_op_bytes_) break;
   }
-  op->rma[0].addr = start;
-  op->rma[0].len = total;
-  op->rma[0].key = key;
   op->bytes = total;
   op->remote_region = job.segs[i].remote.region_id;
   struct fi_msg_rma msg {};
@@ -1528,7 +1533,7 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   msg.iov_count = op->niov;
   msg.addr = job.peer->addr;
   msg.rma_iov = op->rma;
-  msg.rma_iov_count = 1;
+  msg.rma_iov_count = nrma;
   msg.context = &op->ctx;
   ssize_t r;
   if (job.write) {

@@ -410,8 +410,11 @@ class FabricTransport final : public Transport {
   bool delivery_complete_ = false;
   size_t iov_limit_ = 1;
   uint64_t max_op_bytes_ = 8ull << 20;
+  // Remote ranges one RMA op may carry (the provider's rma_iov_limit, at
+  // most Op::kMaxIov; tcp;ofi_rxm takes 4).
+  size_t rma_iov_limit_ = 1;
   // Most jobs one combined RMA op carries: the provider's iov_limit and
-  // rma_iov_limit (1: never combined; tcp;ofi_rxm takes 4).
+  // rma_iov_limit (1: never combined).
   size_t combine_limit_ = 1;
   std::atomic<uint64_t> next_key_{1};
   std::atomic<uint64_t> next_request_{1};
