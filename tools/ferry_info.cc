@@ -76,10 +76,13 @@ int main(int argc, char** argv) {
     }
     nlohmann::json transports = nlohmann::json::array();
     for (const auto& t : (*engine)->transports()) {
+      nlohmann::json counters = nlohmann::json::object();
+      for (const auto& [name, value] : t.counters) counters[name] = value;
       transports.push_back({{"name", t.name},
                             {"running", t.running},
                             {"same_host_only", t.same_host_only},
-                            {"detail", t.detail}});
+                            {"detail", t.detail},
+                            {"counters", counters}});
     }
     j["transports"] = transports;
     if (show_config) {

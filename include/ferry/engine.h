@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ferry/status.h"
@@ -52,6 +53,9 @@ struct TransportInfo {
   bool running = false;
   bool same_host_only = false;
   std::string detail;  // its address when running, else why it is not
+  // What it did since the engine started, by name (docs/user-guide.md,
+  // "Counters"): e.g. fabric's combined_calls. Empty when not running.
+  std::vector<std::pair<std::string, uint64_t>> counters;
 };
 
 // How this engine reaches one peer over one transport (Engine::peer_transports()).

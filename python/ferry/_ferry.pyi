@@ -316,7 +316,7 @@ class Engine:
 
     def transports(self) -> list:
         """
-        The transports this engine runs, in preference order, and those it could not start: [{'name', 'running', 'same_host_only', 'detail'}] (detail: the address, or why it is not running).
+        The transports this engine runs, in preference order, and those it could not start: [{'name', 'running', 'same_host_only', 'detail', 'counters'}] (detail: the address, or why it is not running; counters: {name: total} of what it did, e.g. fabric's 'combined_calls').
         """
 
     def peer_transports(self, peer_id: int) -> list:

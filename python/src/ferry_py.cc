@@ -1264,6 +1264,9 @@ struct PyEngine {
       d["running"] = t.running;
       d["same_host_only"] = t.same_host_only;
       d["detail"] = t.detail;
+      nb::dict counters;
+      for (const auto& [name, value] : t.counters) counters[name.c_str()] = value;
+      d["counters"] = counters;
       out.append(d);
     }
     return out;
@@ -1692,8 +1695,9 @@ NB_MODULE(_ferry, m) {
       .def("peers", &PyEngine::peers, "Ids of the peers connected now (either direction).")
       .def("transports", &PyEngine::transports,
            "The transports this engine runs, in preference order, and those it could not "
-           "start: [{'name', 'running', 'same_host_only', 'detail'}] (detail: the address, or "
-           "why it is not running).")
+           "start: [{'name', 'running', 'same_host_only', 'detail', 'counters'}] (detail: the "
+           "address, or why it is not running; counters: {name: total} of what it did, e.g. "
+           "fabric's 'combined_calls').")
       .def("peer_transports", &PyEngine::peer_transports, "peer_id"_a,
            "How this engine reaches a peer, one entry per running transport: [{'transport', "
            "'connected', 'carries', 'reason', 'via'}] (carries: a comma list of 'host memory', "

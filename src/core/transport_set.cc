@@ -125,7 +125,8 @@ void TransportSet::shutdown(const Status& reason) {
 std::vector<TransportInfo> TransportSet::describe() const {
   std::vector<TransportInfo> out;
   for (const Running& t : running_) {
-    out.push_back({t.name, true, t.caps.same_host_only, t.transport->local_address_text()});
+    out.push_back({t.name, true, t.caps.same_host_only, t.transport->local_address_text(),
+                   t.transport->counters()});
   }
   out.insert(out.end(), unavailable_.begin(), unavailable_.end());
   return out;

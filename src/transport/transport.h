@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/options.h"
@@ -95,6 +96,9 @@ class Transport {
   virtual Bytes local_address() const = 0;
   // Human-readable form of local_address(), for logs and tools.
   virtual std::string local_address_text() const = 0;
+  // Running totals for Engine::transports() (name, value): what the
+  // transport's mechanisms did, for operators and tests. Read rarely.
+  virtual std::vector<std::pair<std::string, uint64_t>> counters() const { return {}; }
   // Connects (blocking, bounded by the transport's connect timeout) and
   // returns the remote engine id. `expected_peer` 0 accepts any engine.
   virtual Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) = 0;

@@ -40,6 +40,17 @@ std::string FabricUnavailable() {
     if (!why.empty()) GTEST_SKIP() << "fabric cannot run here: " << why; \
   } while (0)
 
+// A fabric counter of `e` (Engine::transports()); 0 if there is none.
+uint64_t FabricCounter(const Engine& e, std::string_view name) {
+  for (const auto& t : e.transports()) {
+    if (t.name != "fabric") continue;
+    for (const auto& [n, v] : t.counters) {
+      if (n == name) return v;
+    }
+  }
+  return 0;
+}
+
 uint64_t RandomSeed() {
   static std::random_device rd;
   return (uint64_t{rd()} << 32) | rd();
@@ -271,6 +282,18 @@ TEST_F(FabricTest, SmallOperationsCombinedLandEveryByte) {
       ASSERT_TRUE(s.ok()) << s.to_string();
     }
     ASSERT_EQ(HashBytes(mine.data(), kSize), HashBytes(expect.data(), kSize));
+    // The calls did go out combined, writes and reads alike.
+    const uint64_t ops = FabricCounter(*e, "rma_ops");
+    const uint64_t combined = FabricCounter(*e, "combined_calls");
+    std::printf(
+        "combine_after=%s: %zu calls in %llu provider operations, %llu of them carried "
+        "by %llu combined operations, %llu waited for company\n",
+        after, 2 * kOps, static_cast<unsigned long long>(ops),
+        static_cast<unsigned long long>(combined),
+        static_cast<unsigned long long>(FabricCounter(*e, "combined_ops")),
+        static_cast<unsigned long long>(FabricCounter(*e, "held_calls")));
+    EXPECT_GT(combined, kOps / 2);
+    EXPECT_LT(ops, 2 * kOps);
     for (size_t i = 0; i < kOps; i += 97) {
       size_t bad = 0;
       ASSERT_TRUE(MatchesPattern(seed, ranges[i].first, mine.data() + ranges[i].first,
@@ -320,6 +343,7 @@ TEST_F(FabricTest, HeldSmallOperationsEndWhenCancelledOrThePeerDies) {
   Status c = e->wait(ids[kCancelled], 10s);
   EXPECT_TRUE(c.ok() || c.code() == StatusCode::kCancelled) << c.to_string();
   std::printf("the last small write: %s\n", c.ok() ? "done before the cancel" : "cancelled");
+  EXPECT_GT(FabricCounter(*e, "held_calls"), 0u);
   ASSERT_TRUE(e->wait(*big, 60s).ok());
   for (size_t i = 0; i < kSmall; ++i) {
     if (i == kCancelled) continue;

@@ -651,6 +651,25 @@ TEST_F(TransferTest, CancelledWriteNeverOverwritesALaterWrite) {
       "%d rounds, %d cancelled before they finished; two notifications and a 64 KiB write "
       "after cancel() took %.0f us (median), %.0f us (max)\n",
       rounds, cancelled, after_cancel_us[after_cancel_us.size() / 2], after_cancel_us.back());
+  // Over tcp the fence engaged: requests posted after a cancel() waited
+  // behind the cancelled write's unanswered frames (Engine::transports()
+  // counters).
+  auto routes = engine_->peer_transports(pid_);
+  ASSERT_TRUE(routes.ok()) << routes.status().to_string();
+  std::string carrier;
+  for (const auto& route : *routes) {
+    if (route.carries.find("host memory") != std::string::npos) carrier = route.transport;
+  }
+  for (const auto& t : engine_->transports()) {
+    for (const auto& [name, value] : t.counters) {
+      if (t.name != "tcp" || name != "fence_held_requests") continue;
+      std::printf("tcp: %llu requests held by the cancel fence\n",
+                  static_cast<unsigned long long>(value));
+      if (carrier == "tcp") {
+        EXPECT_GT(value, 0u) << "no request waited behind a cancel fence";
+      }
+    }
+  }
 }
 
 TEST_F(TransferTest, ConcurrentThreadsToTwoPeers) {

@@ -30,10 +30,14 @@ def test_engine_lists_its_transports_with_reasons():
         listed = e.transports()
         assert {"tcp", "shm"} <= {t["name"] for t in listed}
         for t in listed:
-            assert set(t) == {"name", "running", "same_host_only", "detail"}
+            assert set(t) == {"name", "running", "same_host_only", "detail", "counters"}
             assert t["detail"], f"{t['name']} gives no address or reason"
+            assert all(isinstance(v, int) for v in t["counters"].values()), t
+            if not t["running"]:
+                assert t["counters"] == {}, t
         tcp = next(t for t in listed if t["name"] == "tcp")
         assert tcp["running"] and not tcp["same_host_only"]
+        assert tcp["counters"] == {"fence_held_requests": 0}, tcp
 
 
 def test_same_host_peer_gets_shm_for_host_memory_and_data_moves(target):

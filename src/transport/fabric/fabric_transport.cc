@@ -1235,9 +1235,11 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     maybe_finish_locked(job);
     // A job held for combining needs no wake-up either: the completion of
     // one of its peer's ops in flight pumps it.
+    const bool held = held_for_combining(*job);
+    counts_.held_calls += held;
     handed_over = job->finished || job->stopped ||
                   (job->next >= job->segs.size() && job->groups.empty() && send_queue_.empty()) ||
-                  held_for_combining(*job);
+                  held;
   }
   if (!job->groups.empty()) start_staging(job);
   // Nobody will poll the CQ for a transfer this large (core's wait() sleeps
@@ -1563,7 +1565,16 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   ++inflight_;
   inflight_bytes_ += total;
   ++job.peer->inflight_ops;
+  ++counts_.rma_ops;
   return true;
+}
+
+std::vector<std::pair<std::string, uint64_t>> FabricTransport::counters() const {
+  std::lock_guard lock(post_mu_);
+  return {{"rma_ops", counts_.rma_ops},
+          {"combined_ops", counts_.combined_ops},
+          {"combined_calls", counts_.combined_calls},
+          {"held_calls", counts_.held_calls}};
 }
 
 bool FabricTransport::combinable(const Job& job) const {
@@ -1638,6 +1649,9 @@ bool FabricTransport::post_combined_locked(const std::shared_ptr<Job>* parts, si
   ++inflight_;
   inflight_bytes_ += total;
   ++first.peer->inflight_ops;
+  ++counts_.rma_ops;
+  ++counts_.combined_ops;
+  counts_.combined_calls += n;
   return true;
 }
 

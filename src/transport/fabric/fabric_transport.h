@@ -260,6 +260,10 @@ class FabricTransport final : public Transport {
   void shutdown(const Status& reason) override;
   Bytes local_address() const override;
   std::string local_address_text() const override;
+  // rma_ops (provider RMA operations posted), combined_ops (of them, ops
+  // carrying several calls), combined_calls (calls they carried), held_calls
+  // (calls that waited for company when posted).
+  std::vector<std::pair<std::string, uint64_t>> counters() const override;
   Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) override;
   bool is_connected(PeerId peer) const override;
   std::string peer_address(PeerId peer) const override;
@@ -452,7 +456,10 @@ class FabricTransport final : public Transport {
   void send_due_acks_locked();
   void finish_revoke(RegionId region, PeerId peer, bool all);
 
-  std::mutex post_mu_;
+  mutable std::mutex post_mu_;
+  struct Counts {
+    uint64_t rma_ops = 0, combined_ops = 0, combined_calls = 0, held_calls = 0;
+  } counts_;                        // under post_mu_
   std::condition_variable job_cv_;  // with post_mu_: a job's op completed
   uint32_t job_waiters_ = 0;        // threads in cancel() on job_cv_; under post_mu_
   // Most calls are never cancelled: notify only where somebody waits.

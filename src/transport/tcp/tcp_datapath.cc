@@ -674,7 +674,12 @@ bool TcpTransport::hold(Group& group, HeldPost& post) {
   std::lock_guard lock(group.fence_mu);
   if (!group.held.load(std::memory_order_relaxed)) return false;  // lifted meanwhile
   group.backlog.push_back(std::move(post));
+  fence_held_requests_.fetch_add(1, std::memory_order_relaxed);
   return true;
+}
+
+std::vector<std::pair<std::string, uint64_t>> TcpTransport::counters() const {
+  return {{"fence_held_requests", fence_held_requests_.load(std::memory_order_relaxed)}};
 }
 
 void TcpTransport::fence_sent_frames(Group& group, Stream& s, const Transfer& t) {

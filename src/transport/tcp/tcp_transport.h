@@ -276,6 +276,7 @@ class TcpTransport final : public Transport {
   void shutdown(const Status& reason) override;
   Bytes local_address() const override;
   std::string local_address_text() const override { return advertised_; }
+  std::vector<std::pair<std::string, uint64_t>> counters() const override;
   Result<PeerId> connect(ByteView peer_address, PeerId expected_peer) override;
   bool is_connected(PeerId peer) const override;
   std::string peer_address(PeerId peer) const override;
@@ -331,7 +332,7 @@ class TcpTransport final : public Transport {
   Status send_frames(Group& group, std::vector<std::unique_ptr<TxFrame>> frames);
   // --- the cancel fence ---
   // Queues `post` if the group is held (then true, `post` moved from).
-  static bool hold(Group& group, HeldPost& post);
+  bool hold(Group& group, HeldPost& post);
   // cancel() of write `t`: its frames not yet started on `s` will never be;
   // those (partly) sent raise the fence until acknowledged. tx_mu held.
   static void fence_sent_frames(Group& group, Stream& s, const Transfer& t);
@@ -407,6 +408,8 @@ class TcpTransport final : public Transport {
   std::unique_ptr<GpuPath> gpu_;
   Status gpu_error_;
   std::shared_ptr<TraceLog> trace_log_;  // tcp.trace on: where finished traces go
+  // Requests queued behind a cancel fence (counters()).
+  std::atomic<uint64_t> fence_held_requests_{0};
 };
 
 }  // namespace ferry::tcp
