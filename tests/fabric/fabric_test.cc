@@ -379,6 +379,52 @@ TEST_F(FabricTest, HeldSmallOperationsEndWhenCancelledOrThePeerDies) {
   EXPECT_LT(s_taken, 2.0);
 }
 
+// A held call waits for one completion on its peer at most: a stream of
+// calls through another key, which keeps the peer busy and forms full
+// groups of its own, does not keep it waiting until the stream ends.
+TEST_F(FabricTest, HeldCallIsNotStarvedByAStreamThroughAnotherKey) {
+  SKIP_WITHOUT_FABRIC();
+  constexpr uint64_t kSize = 32 << 20;
+  constexpr size_t kStream = 4000;
+  peer_ = StartPeer({.size = kSize, .seed = 77, .engine_options = kPeerFabric});
+  ASSERT_TRUE(peer_);
+  auto e = MakeEngine({{"engine.transports", "fabric,tcp"}, {"fabric.combine_after", "1"}});
+  ASSERT_TRUE(e);
+  auto pid = e->connect(ByteView(peer_->metadata));
+  ASSERT_TRUE(pid.ok()) << pid.status().to_string();
+  LocalBuffer mine(*e, kSize);
+  // Reads through rw (one key) and one through ro (the read-only key).
+  std::vector<LocalIov> ls(kStream);
+  std::vector<RemoteIov> rs(kStream);
+  std::vector<TransferId> ids;
+  TransferId lone = 0;
+  LocalIov ll{mine.data() + kSize - 4096, 4096};
+  RemoteIov lr{&peer_->ro, kSize - 4096, 4096};
+  for (size_t i = 0; i < kStream; ++i) {
+    ls[i] = {mine.data() + i * 4096, 4096};
+    rs[i] = {&peer_->rw, i * 4096, 4096};
+    auto id = e->read_async(*pid, {&ls[i], 1}, {&rs[i], 1});
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    ids.push_back(*id);
+    if (i == 100) {
+      auto l = e->read_async(*pid, {&ll, 1}, {&lr, 1});
+      ASSERT_TRUE(l.ok()) << l.status().to_string();
+      lone = *l;
+    }
+  }
+  ASSERT_TRUE(e->wait(lone, 60s).ok());
+  const Status last = e->test(ids.back());
+  EXPECT_EQ(last.code(), StatusCode::kInProgress)
+      << "the lone call waited for the whole stream of " << kStream << " calls";
+  for (TransferId id : ids) {
+    if (id == ids.back() && last.code() != StatusCode::kInProgress) continue;
+    ASSERT_TRUE(e->wait(id, 60s).ok());
+  }
+  EXPECT_TRUE(MatchesPattern(77, 0, mine.data(), kStream * 4096));
+  EXPECT_TRUE(MatchesPattern(77, kSize - 4096, mine.data() + kSize - 4096, 4096));
+  EXPECT_GT(FabricCounter(*e, "combined_calls"), kStream / 2);
+}
+
 TEST_F(FabricTest, NotificationArrivesAfterAllData) {
   constexpr uint64_t kSize = 16 << 20;
   Start(kSize);

@@ -1584,7 +1584,8 @@ bool FabricTransport::combinable(const Job& job) const {
 }
 
 bool FabricTransport::held_for_combining(const Job& job) const {
-  return combinable(job) && job.peer->inflight_ops >= opt_.combine_after;
+  return combinable(job) && job.peer->inflight_ops >= opt_.combine_after &&
+         (job.hold_until == 0 || job.peer->completed_ops < job.hold_until);
 }
 
 bool FabricTransport::post_combined_locked(const std::shared_ptr<Job>* parts, size_t n) {
@@ -1730,7 +1731,8 @@ void FabricTransport::pump_locked() {
         parts[n++] = *jt;
         bytes += o.segs[0].length;
       }
-      const bool hold = n < combine_limit_ && job->peer->inflight_ops >= opt_.combine_after;
+      const bool hold = n < combine_limit_ && held_for_combining(*job);
+      if (hold && job->hold_until == 0) job->hold_until = job->peer->completed_ops + 1;
       bool posted = false;
       if (!hold && n > 1) posted = post_combined_locked(parts, n);
       for (size_t k = 0; k < n; ++k) parts[k].reset();
@@ -1867,7 +1869,10 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
         lengths[k] = op->iov[k].iov_len;
       }
       give_op(op);
-      if (jobs[0]) --jobs[0]->peer->inflight_ops;
+      if (jobs[0]) {
+        --jobs[0]->peer->inflight_ops;
+        ++jobs[0]->peer->completed_ops;
+      }
       for (size_t k = 0; k < n; ++k) {
         if (jobs[k]) rma_done_locked(std::move(jobs[k]), region, -1, lengths[k], error);
       }
@@ -1879,6 +1884,7 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
     give_op(op);
     if (!job) return;
     --job->peer->inflight_ops;
+    ++job->peer->completed_ops;
     rma_done_locked(std::move(job), region, group, bytes, error);
     return;
   }

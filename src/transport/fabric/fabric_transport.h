@@ -124,6 +124,7 @@ struct Peer {
   // post_mu_ (small operations wait to be combined beyond
   // fabric.combine_after of them).
   uint32_t inflight_ops = 0;
+  uint64_t completed_ops = 0;  // RMA ops to the peer completed; under post_mu_
 
   std::mutex mu;
   std::condition_variable cv;
@@ -237,6 +238,11 @@ struct Job {
   size_t next = 0;        // next segment to post
   uint64_t next_off = 0;  // bytes of it already posted
   uint64_t posted = 0, done = 0;
+  // Held for combining: posted, with whatever company there is, once its
+  // peer's completed_ops reaches this (the next completion after it was
+  // held; 0: never held). A stream of other calls to the peer cannot keep
+  // it waiting longer.
+  uint64_t hold_until = 0;
   bool stopped = false;  // no more posting (failed, cancelled, peer dead)
   bool notify_posted = false;
   bool finished = false;
@@ -354,7 +360,8 @@ class FabricTransport final : public Transport {
   // nothing of it posted yet.
   bool combinable(const Job& job) const;
   // A combinable job waits in queue_ for company while its peer has
-  // fabric.combine_after RMA ops in flight: one of their completions pumps.
+  // fabric.combine_after RMA ops in flight, until the next completion on the
+  // peer (which pumps).
   bool held_for_combining(const Job& job) const;
   // Posts parts[0..n) (combinable, one peer, one key) as one op; false when
   // the provider is full (FI_EAGAIN) or failed (the jobs are stopped).
