@@ -51,6 +51,14 @@ uint64_t FabricCounter(const Engine& e, std::string_view name) {
   return 0;
 }
 
+// Waits for each transfer; every one must succeed.
+void WaitAllOk(Engine& e, const std::vector<TransferId>& ids) {
+  for (TransferId id : ids) {
+    Status s = e.wait(id, 60s);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+}
+
 uint64_t RandomSeed() {
   static std::random_device rd;
   return (uint64_t{rd()} << 32) | rd();
@@ -58,11 +66,15 @@ uint64_t RandomSeed() {
 
 class FabricTest : public ::testing::Test {
  protected:
-  void Start(uint64_t size) {
+  // A peer of `size` bytes (pattern of seed 77), our engine with `options`
+  // on top of FabricOptions(), connected, and a local buffer of `size`.
+  void Start(uint64_t size, const std::map<std::string, std::string>& options = {}) {
     size_ = size;
     peer_ = StartPeer({.size = size, .seed = 77, .engine_options = kPeerFabric});
     ASSERT_TRUE(peer_);
-    engine_ = MakeEngine(FabricOptions());
+    auto all = FabricOptions();
+    all.insert(options.begin(), options.end());
+    engine_ = MakeEngine(all);
     ASSERT_TRUE(engine_);
     auto p = engine_->connect(ByteView(peer_->metadata));
     ASSERT_TRUE(p.ok()) << p.status().to_string();
@@ -249,10 +261,7 @@ TEST_F(FabricTest, SmallOperationsCombinedLandEveryByte) {
       ASSERT_TRUE(id.ok()) << id.status().to_string();
       ids.push_back(*id);
     }
-    for (TransferId id : ids) {
-      Status s = e->wait(id, 60s);
-      ASSERT_TRUE(s.ok()) << s.to_string();
-    }
+    ASSERT_NO_FATAL_FAILURE(WaitAllOk(*e, ids));
     auto sums = peer_->Checksums(ranges);
     ASSERT_TRUE(sums);
     for (size_t i = 0; i < kOps; ++i) {
@@ -277,10 +286,7 @@ TEST_F(FabricTest, SmallOperationsCombinedLandEveryByte) {
       ASSERT_TRUE(id.ok()) << id.status().to_string();
       ids.push_back(*id);
     }
-    for (TransferId id : ids) {
-      Status s = e->wait(id, 60s);
-      ASSERT_TRUE(s.ok()) << s.to_string();
-    }
+    ASSERT_NO_FATAL_FAILURE(WaitAllOk(*e, ids));
     ASSERT_EQ(HashBytes(mine.data(), kSize), HashBytes(expect.data(), kSize));
     // The calls did go out combined, writes and reads alike.
     const uint64_t ops = FabricCounter(*e, "rma_ops");
@@ -309,13 +315,10 @@ TEST_F(FabricTest, SmallOperationsCombinedLandEveryByte) {
 TEST_F(FabricTest, HeldSmallOperationsEndWhenCancelledOrThePeerDies) {
   SKIP_WITHOUT_FABRIC();
   constexpr uint64_t kSize = 64 << 20;
-  peer_ = StartPeer({.size = kSize, .seed = 77, .engine_options = kPeerFabric});
-  ASSERT_TRUE(peer_);
-  auto e = MakeEngine({{"engine.transports", "fabric,tcp"}, {"fabric.combine_after", "1"}});
-  ASSERT_TRUE(e);
-  auto pid = e->connect(ByteView(peer_->metadata));
-  ASSERT_TRUE(pid.ok()) << pid.status().to_string();
-  LocalBuffer mine(*e, kSize);
+  ASSERT_NO_FATAL_FAILURE(Start(kSize, {{"fabric.combine_after", "1"}}));
+  Engine* e = engine_.get();
+  const PeerId* pid = &pid_;
+  LocalBuffer& mine = *local_;
   const uint64_t seed = RandomSeed();
   FillPattern(seed, 0, mine.data(), kSize);
   constexpr uint64_t kBig = kSize / 2;
@@ -386,13 +389,10 @@ TEST_F(FabricTest, HeldCallIsNotStarvedByAStreamThroughAnotherKey) {
   SKIP_WITHOUT_FABRIC();
   constexpr uint64_t kSize = 32 << 20;
   constexpr size_t kStream = 4000;
-  peer_ = StartPeer({.size = kSize, .seed = 77, .engine_options = kPeerFabric});
-  ASSERT_TRUE(peer_);
-  auto e = MakeEngine({{"engine.transports", "fabric,tcp"}, {"fabric.combine_after", "1"}});
-  ASSERT_TRUE(e);
-  auto pid = e->connect(ByteView(peer_->metadata));
-  ASSERT_TRUE(pid.ok()) << pid.status().to_string();
-  LocalBuffer mine(*e, kSize);
+  ASSERT_NO_FATAL_FAILURE(Start(kSize, {{"fabric.combine_after", "1"}}));
+  Engine* e = engine_.get();
+  const PeerId* pid = &pid_;
+  LocalBuffer& mine = *local_;
   // Reads through rw (one key) and one through ro (the read-only key).
   std::vector<LocalIov> ls(kStream);
   std::vector<RemoteIov> rs(kStream);
