@@ -210,10 +210,10 @@ TEST_F(FabricTest, LargeWritesAndReadsAndManyInFlight) {
 // Small one-segment operations posted while others to the same peer are in
 // flight wait and go out combined, several to one provider operation
 // (fabric.combine_after; tcp;ofi_rxm takes 4 remote iovs per operation).
-// 3,000 writes of 1 byte ... 16 KiB at random places, through two
-// descriptors with the same key (rw, sub) and one with another (wo), then
-// reads back through keys that differ (rw, ro): every range is checked on
-// the target, every byte read back, and no byte between ranges changes.
+// 3,000 writes of 1 byte ... 16 KiB at random places, through three
+// descriptors that share the read-write key (rw, sub, wo), then reads back
+// through keys that differ (rw, ro): every range is checked on the target,
+// every byte read back, and no byte between ranges changes.
 TEST_F(FabricTest, SmallOperationsCombinedLandEveryByte) {
   SKIP_WITHOUT_FABRIC();
   constexpr uint64_t kSize = 48 << 20;
