@@ -79,7 +79,7 @@ Status probe(pid_t pid, uint64_t address, uint64_t expected) {
 }
 
 Status cma_copy(pid_t pid, Direction direction, std::span<const CopyPiece> pieces, size_t* failed,
-                uint64_t* moved) {
+                uint64_t* moved, const std::function<bool()>& wanted) {
   const char* call = direction == Direction::kPull ? "process_vm_readv" : "process_vm_writev";
   iovec local[kIovBatch];
   iovec remote[kIovBatch];
@@ -97,6 +97,12 @@ Status cma_copy(pid_t pid, Direction direction, std::span<const CopyPiece> piece
       const uint64_t len = pieces[i].length - skip;
       local[n] = {pieces[i].local + skip, len};
       remote[n] = {reinterpret_cast<void*>(pieces[i].remote + skip), len};
+    }
+    if (wanted && !wanted()) {
+      *failed = index;
+      *moved = total;
+      return err::Cancelled(fmt::format("{} of pid {} stopped after {} bytes: not wanted any more",
+                                        call, pid, total));
     }
     const ssize_t r = direction == Direction::kPull
                           ? process_vm_readv(pid, local, n, remote, n, 0)

@@ -10,6 +10,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -46,8 +47,10 @@ enum class Direction { kPull, kPush };  // pull: readv (remote → local); push:
 // Moves every byte of `pieces`, IOV_MAX iovecs per call, resuming after a
 // partial result. On failure returns the mapped error and sets *failed to the
 // index of the piece where the copy stopped and *moved to the bytes placed.
+// `wanted`, if given, is asked right before each call: false stops the copy
+// with Cancelled (the other process gave up on it).
 Status cma_copy(pid_t pid, Direction direction, std::span<const CopyPiece> pieces, size_t* failed,
-                uint64_t* moved);
+                uint64_t* moved, const std::function<bool()>& wanted = {});
 
 // A pidfd for `pid` (-1 where the kernel has none): taken right after the
 // probe proved who runs under that pid, it tells later whether that very

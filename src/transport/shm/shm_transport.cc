@@ -1355,6 +1355,22 @@ bool peer_hung_up(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
   return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
+
+// Right before a cross-memory-attach copy into or out of the initiator's
+// memory: the initiator still wants it. The check itself is a system call,
+// where a stop signal takes effect: a process stopped there (SIGSTOP, a
+// debugger) resumes with a stale answer while its initiator may have given
+// up meanwhile (shm.cancel_timeout_ms) and reused the memory. So a check
+// that took longer than kFreshCheck is made again: the copy starts within
+// kFreshCheck of an answer that said the initiator is still there.
+constexpr auto kFreshCheck = std::chrono::milliseconds(20);
+bool initiator_still_there(const Connection& c) {
+  for (;;) {
+    const auto asked = std::chrono::steady_clock::now();
+    if (c.dead.load() || peer_hung_up(c.fd)) return false;
+    if (std::chrono::steady_clock::now() - asked < kFreshCheck) return true;
+  }
+}
 }  // namespace
 
 std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
@@ -1398,7 +1414,14 @@ std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
     size_t failed = 0;
     uint64_t moved = 0;
     const Direction direction = request.op == Op::kWriteReq ? Direction::kPull : Direction::kPush;
-    if (Status s = cma_copy(c.pid, direction, pieces, &failed, &moved); !s.ok()) {
+    if (Status s = cma_copy(c.pid, direction, pieces, &failed, &moved,
+                            [&c] { return initiator_still_there(c); });
+        !s.ok()) {
+      if (s.code() == StatusCode::kCancelled) {  // the initiator gave up on us meanwhile
+        spdlog::debug("ferry shm: {}: dropping {} {}: {}", describe(c), op_name(request.op),
+                      request.id, s.message());
+        return std::nullopt;
+      }
       if (s.code() == StatusCode::kPeerDisconnected) {  // ESRCH: the initiator died
         spdlog::debug("ferry shm: {}: dropping {} {}: {}", describe(c), op_name(request.op),
                       request.id, s.message());
