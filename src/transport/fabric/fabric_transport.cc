@@ -1537,12 +1537,7 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   msg.rma_iov = op->rma;
   msg.rma_iov_count = nrma;
   msg.context = &op->ctx;
-  ssize_t r;
-  if (job.write) {
-    r = fi_writemsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
-  } else {
-    r = fi_readmsg(ep_, &msg, FI_COMPLETION);
-  }
+  const ssize_t r = submit_rma(msg, job.write);
   if (r == -FI_EAGAIN) {
     give_op(op);
     return false;
@@ -1562,11 +1557,21 @@ bool FabricTransport::post_one_locked(Job& job, const std::shared_ptr<Job>& ref)
   job.next = end_i;
   job.next_off = end_off;
   ++job.posted;
-  ++inflight_;
-  inflight_bytes_ += total;
-  ++job.peer->inflight_ops;
-  ++counts_.rma_ops;
+  note_posted_locked(*job.peer, total);
   return true;
+}
+
+ssize_t FabricTransport::submit_rma(const struct fi_msg_rma& msg, bool write) {
+  return write ? fi_writemsg(ep_, &msg,
+                             FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0))
+               : fi_readmsg(ep_, &msg, FI_COMPLETION);
+}
+
+void FabricTransport::note_posted_locked(Peer& p, uint64_t bytes) {
+  ++inflight_;
+  inflight_bytes_ += bytes;
+  ++p.inflight_ops;
+  ++counts_.rma_ops;
 }
 
 std::vector<std::pair<std::string, uint64_t>> FabricTransport::counters() const {
@@ -1616,10 +1621,7 @@ bool FabricTransport::post_combined_locked(const std::shared_ptr<Job>* parts, si
   msg.rma_iov = op->rma;
   msg.rma_iov_count = n;
   msg.context = &op->ctx;
-  const ssize_t r =
-      first.write
-          ? fi_writemsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0))
-          : fi_readmsg(ep_, &msg, FI_COMPLETION);
+  const ssize_t r = submit_rma(msg, first.write);
   if (r == -FI_EAGAIN) {
     give_op(op);
     return false;
@@ -1647,10 +1649,7 @@ bool FabricTransport::post_combined_locked(const std::shared_ptr<Job>* parts, si
     j.next = 1;
     ++j.posted;
   }
-  ++inflight_;
-  inflight_bytes_ += total;
-  ++first.peer->inflight_ops;
-  ++counts_.rma_ops;
+  note_posted_locked(*first.peer, total);
   ++counts_.combined_ops;
   counts_.combined_calls += n;
   return true;
@@ -1869,10 +1868,7 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
         lengths[k] = op->iov[k].iov_len;
       }
       give_op(op);
-      if (jobs[0]) {
-        --jobs[0]->peer->inflight_ops;
-        ++jobs[0]->peer->completed_ops;
-      }
+      if (jobs[0]) note_completed(*jobs[0]->peer);
       for (size_t k = 0; k < n; ++k) {
         if (jobs[k]) rma_done_locked(std::move(jobs[k]), region, -1, lengths[k], error);
       }
@@ -1883,8 +1879,7 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
     const uint64_t bytes = op->bytes;
     give_op(op);
     if (!job) return;
-    --job->peer->inflight_ops;
-    ++job->peer->completed_ops;
+    note_completed(*job->peer);
     rma_done_locked(std::move(job), region, group, bytes, error);
     return;
   }

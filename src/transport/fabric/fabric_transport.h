@@ -355,6 +355,14 @@ class FabricTransport final : public Transport {
   void give_op(Op* op);
   void pump_locked();
   bool post_one_locked(Job& job, const std::shared_ptr<Job>& ref);
+  // fi_writemsg (delivery-complete where offered) or fi_readmsg.
+  ssize_t submit_rma(const struct fi_msg_rma& msg, bool write);
+  // An RMA op to `p` of `bytes` went to the provider / completed.
+  void note_posted_locked(Peer& p, uint64_t bytes);
+  static void note_completed(Peer& p) {
+    --p.inflight_ops;
+    ++p.completed_ops;
+  }
   // Combining small jobs (docs/fabric.md, "Small operations combined"):
   // `job` is one segment of host memory, at most fabric.combine_max_bytes,
   // nothing of it posted yet.
