@@ -15,8 +15,9 @@ WRITE/READ, batched scatter-gather and completion notifications::
     peer = other_engine.connect(meta)
     peer.write([(src_region, 0, 4096)], [(desc, 0, 4096)], notify=b"done")
 
-See docs/python.md for the guide, and ``ferry.compat.uccl`` for a drop-in
-replacement of UCCL's ``p2p.Endpoint``.
+See docs/python.md for the guide, ``ferry.compat.uccl`` for a drop-in
+replacement of UCCL's ``p2p.Endpoint`` and ``ferry.compat.nixl`` for NIXL's
+Python agent API (docs/nixl_compat.md).
 """
 from __future__ import annotations
 

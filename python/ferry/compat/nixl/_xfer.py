@@ -1,0 +1,176 @@
+"""A NIXL transfer request on Ferry: the descriptor pairs of one READ or WRITE to
+one remote agent, checked and built once as Ferry prepared transfers (one per
+local registered region the request touches), posted by ``transfer`` as often
+as the caller likes, polled by ``check_xfer_state``.
+
+Notifications keep NIXL's promise -- the target sees the message only after
+every byte of the transfer is in place: a WRITE that goes out as one Ferry call
+carries the message itself (Ferry delivers it after the data); a READ, or a
+request spanning several local regions, sends it as a standalone notification
+once every part has completed, at the ``transfer`` or ``check_xfer_state`` call
+that sees the completion (NIXL with its progress thread off does the same).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ... import _errors
+from ._types import (
+    nixl_status_t,
+    nixl_xfer_op_t,
+    nixlNotPostedError,
+    nixlRepostActiveError,
+    from_ferry,
+)
+
+_IN_PROG = nixl_status_t.NIXL_IN_PROG
+_SUCCESS = nixl_status_t.NIXL_SUCCESS
+
+
+class nixlXferTelemetry:
+    """What NIXL reports per transfer: times in microseconds (``startTime`` since
+    the epoch), bytes, descriptors."""
+
+    __slots__ = ("startTime", "postDuration", "xferDuration", "totalBytes", "descCount")
+
+    def __init__(self, startTime=0, postDuration=0, xferDuration=0, totalBytes=0, descCount=0):
+        self.startTime = startTime
+        self.postDuration = postDuration
+        self.xferDuration = xferDuration
+        self.totalBytes = totalBytes
+        self.descCount = descCount
+
+    def __repr__(self) -> str:
+        return (f"nixlXferTelemetry(startTime={self.startTime}, postDuration={self.postDuration}, "
+                f"xferDuration={self.xferDuration}, totalBytes={self.totalBytes}, "
+                f"descCount={self.descCount})")
+
+
+def split_by_region(region_index: np.ndarray):
+    """Positions of the descriptors grouped by the local region holding them,
+    each group in the caller's order (one Ferry call per local region)."""
+    if region_index.size == 0 or (region_index == region_index[0]).all():
+        return [None]  # one region: every position, no copy
+    order = np.argsort(region_index, kind="stable")
+    cuts = np.flatnonzero(np.diff(region_index[order])) + 1
+    return np.split(order, cuts)
+
+
+class XferRequest:
+    """Built by the agent (``initialize_xfer`` / ``make_prepped_xfer``)."""
+
+    def __init__(self, agent, op, remote: str, peer, local_regions, local_index,
+                 local_offsets, lengths, remote_descs, remote_index, remote_offsets, notif: bytes):
+        self.agent = agent
+        self.op = nixl_xfer_op_t(op)
+        self.remote = remote
+        self.peer = peer
+        self.notif = notif
+        self.desc_count = int(lengths.size)
+        self.total_bytes = int(lengths.sum())
+        self._transfers = []
+        self._pending_notif = None
+        self._posted = False
+        self._done = False
+        self._error = None
+        self._t_start_us = 0
+        self._t_post_ns = 0
+        self._t0 = 0
+        self._t_done_ns = 0
+        prepare = peer.prepare_write if self.op == nixl_xfer_op_t.NIXL_WRITE else peer.prepare_read
+        desc_index = remote_index.astype(np.uint32)
+        self._parts = []
+        for group in split_by_region(local_index):
+            pick = slice(None) if group is None else group
+            region = local_regions[int(local_index[0] if group is None else local_index[group[0]])]
+            try:
+                self._parts.append(prepare(region.handle[0], local_offsets[pick], remote_descs,
+                                           desc_index[pick], remote_offsets[pick], lengths[pick]))
+            except _errors.FerryError as exc:
+                raise from_ferry(exc, f"{self.describe()}: preparing the part in local {region}")
+
+    def describe(self) -> str:
+        return (f"{self.op.name[5:]} of {self.desc_count} descriptor(s), {self.total_bytes} bytes, "
+                f"with agent '{self.remote}'")
+
+    @property
+    def active(self) -> bool:
+        return self._posted and not self._done and self._error is None
+
+    def post(self, notif: bytes) -> nixl_status_t:
+        if self.active:
+            if not all(t.done() for t in self._transfers):
+                raise nixlRepostActiveError(f"{self.describe()} is still in progress; wait for "
+                                            "DONE (check_xfer_state) before posting it again")
+            self._finish()  # it completed; settle it before the new post
+        if notif:
+            self.notif = notif  # a message given to transfer() replaces the request's
+        msg = self.notif
+        framed = self.agent.frame_notif(msg) if msg else None
+        self._posted, self._done, self._error = True, False, None
+        self._pending_notif = None
+        self._t_start_us = time.time_ns() // 1000
+        self._t0 = time.perf_counter_ns()
+        try:
+            if framed is not None and len(self._parts) == 1 and self.op == nixl_xfer_op_t.NIXL_WRITE:
+                self._transfers = [self._parts[0].post(notify=framed)]
+            else:
+                self._transfers = [p.post() for p in self._parts]
+                self._pending_notif = framed
+        except _errors.FerryError as exc:
+            self._error = from_ferry(exc, f"posting {self.describe()}")
+            for t in self._transfers:
+                t.cancel()
+            raise self._error
+        finally:
+            self._t_post_ns = time.perf_counter_ns() - self._t0
+        return self.status()
+
+    def status(self) -> nixl_status_t:
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return _SUCCESS
+        if not self._posted:
+            raise nixlNotPostedError(f"{self.describe()} was never posted (call transfer first)")
+        for t in self._transfers:
+            if not t.done():
+                return _IN_PROG
+        self._finish()
+        return _SUCCESS
+
+    def _finish(self) -> None:
+        """Every part has completed: raise the first failure, else send the
+        notification that had to wait for the data."""
+        self._t_done_ns = time.perf_counter_ns() - self._t0
+        for t in self._transfers:
+            try:
+                t.wait(0)
+            except _errors.FerryError as exc:
+                self._error = from_ferry(exc, f"{self.describe()} failed")
+                raise self._error from None
+        if self._pending_notif is not None:
+            msg, self._pending_notif = self._pending_notif, None
+            try:
+                self.peer.notify(msg)
+            except _errors.FerryError as exc:
+                self._error = from_ferry(exc, f"{self.describe()} completed, but its notification "
+                                              "could not be sent")
+                raise self._error from None
+        self._done = True
+
+    def cancel(self) -> None:
+        for t in self._transfers:
+            if not t.done():
+                t.cancel()
+        self._transfers = []
+        self._posted = False
+
+    def telemetry(self) -> nixlXferTelemetry:
+        # Whole microseconds, rounded up: a posted request never reports 0.
+        post_us = -(-self._t_post_ns // 1000)
+        xfer_us = -(-self._t_done_ns // 1000) if self._done else 0
+        return nixlXferTelemetry(self._t_start_us, post_us, xfer_us, self.total_bytes,
+                                 self.desc_count)
