@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cuda/cuda_detect.h"
+#include "cuda/default_stream_mark.h"
 #include "ferry/gpu.h"
 
 namespace ferry {
@@ -73,6 +74,14 @@ CopyStreamStats CopyStream::stats() {
 
 Status copy_blocks(std::span<const CopyBlock>, const CopyOptions&, int) {
   return err::NotSupported(kReason);
+}
+
+Result<std::shared_ptr<DefaultStreamMark>> DefaultStreamMark::take(std::span<const int>) {
+  return std::shared_ptr<DefaultStreamMark>();  // no GPU work to wait for
+}
+DefaultStreamMark::~DefaultStreamMark() = default;
+Status DefaultStreamMark::order(int, void*) const {
+  return Status::Ok();
 }
 
 }  // namespace ferry

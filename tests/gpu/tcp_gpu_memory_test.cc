@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -309,6 +310,50 @@ TEST_F(TcpGpuMemory, WriteSourceIsReadAfterWorkQueuedOnTheDefaultStream) {
   cudaFree(busy);
 }
 
+// The same for a read into GPU memory: the destination is zeroed on the
+// default stream, behind 16 GiB of memsets, just before each read. The
+// read's landing copy is submitted when the data arrives, on a stream of its
+// own; it must still run after the zeroing, or the zeroing wipes the bytes
+// read. Before the copy waited for a mark of the default stream taken when
+// the read was posted (cuda/default_stream_mark.h), the read came back as
+// zeros -- what made gpu.two_gpus.TcpGpuCancel fail under `ctest -j4`, where
+// other processes on the GPU delay the caller's cudaMemset.
+TEST_F(TcpGpuMemory, ReadLandsAfterWorkQueuedOnTheDefaultStream) {
+  void* busy = nullptr;
+  ASSERT_EQ(cudaMalloc(&busy, 256u << 20), cudaSuccess);
+  ASSERT_EQ(target_.ask("fill 77"), "ok");
+  const std::vector<std::pair<uint64_t, size_t>> shapes = {{4096, 1}, {4096, 16}, {1u << 20, 3}};
+  for (auto [block, batch] : shapes) {
+    SCOPED_TRACE(std::to_string(block) + " B x " + std::to_string(batch));
+    std::vector<uint8_t> remote(block * batch);
+    gputest::fill(remote.data(), remote.size(), 77);  // the target's first bytes
+    const uint64_t stride = 2 * block;
+    std::vector<LocalIov> l(batch);
+    std::vector<RemoteIov> r(batch);
+    for (size_t i = 0; i < batch; ++i) {
+      l[i] = {static_cast<uint8_t*>(local_gpu_) + i * stride, block};
+      r[i] = {&remote_gpu_, i * block, block};
+    }
+    ASSERT_EQ(cudaMemset(local_gpu_, 0x11, stride * batch), cudaSuccess);
+    testing::keep_default_stream_busy(busy, 256u << 20, 64);
+    if (HasFatalFailure()) return;
+    ASSERT_EQ(cudaMemsetAsync(local_gpu_, 0, stride * batch, 0), cudaSuccess);
+    Status s = engine_->read(peer_, l, r);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    std::vector<uint8_t> got(block);
+    for (size_t i = 0; i < batch; ++i) {
+      ASSERT_EQ(cudaMemcpy(got.data(), l[i].address, block, cudaMemcpyDeviceToHost), cudaSuccess);
+      const bool zeros = std::all_of(got.begin(), got.end(), [](uint8_t b) { return b == 0; });
+      ASSERT_EQ(0, std::memcmp(got.data(), remote.data() + i * block, block))
+          << "block " << i << " of the read differs from the target's bytes"
+          << (zeros ? ": all zeros, the zeroing queued before the read ran after its landing copy"
+                    : "");
+    }
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(busy);
+}
+
 }  // namespace
 }  // namespace ferry
 
@@ -461,8 +506,12 @@ TEST_F(TcpGpuCancel, CancelledGpuWriteNeverOverwritesALaterWrite) {
     const Status s = engine_->read(peer_, std::span(&bl, 1), std::span(&br, 1));
     ASSERT_TRUE(s.ok()) << s.to_string();
     ASSERT_EQ(cudaMemcpy(back.data(), small_back, kSmall, cudaMemcpyDeviceToHost), cudaSuccess);
+    // Zeros: the cudaMemset above ran after the read's landing copy (see
+    // ReadLandsAfterWorkQueuedOnTheDefaultStream), not a late frame.
+    const bool zeros = std::all_of(back.begin(), back.end(), [](uint8_t b) { return b == 0; });
     ASSERT_EQ(0, std::memcmp(back.data(), image.data(), kSmall))
-        << "read back differs from the writes posted after cancel()";
+        << "read back differs from the writes posted after cancel()"
+        << (zeros ? " (all zeros: the destination's zeroing ran after the read landed)" : "");
   }
   EXPECT_GT(cancelled, 0) << "no round caught the large write before it finished";
   std::printf("%d rounds, %d cancelled before they finished\n", rounds, cancelled);

@@ -238,7 +238,7 @@ bool GpuPath::inline_eligible(const std::vector<DeviceCopy>& copies) const {
 }
 
 bool GpuPath::submit_inline(const std::vector<DeviceCopy>& copies, bool after_default_stream,
-                            bool hand_off, InlineCopy* out) {
+                            bool hand_off, InlineCopy* out, const DefaultStreamMark* after) {
   if (out->w.queued == Clock::time_point{}) out->w.queued = Clock::now();
   out->w.submit_begin = Clock::now();
   auto s =
@@ -250,7 +250,13 @@ bool GpuPath::submit_inline(const std::vector<DeviceCopy>& copies, bool after_de
   blocks.reserve(copies.size());
   for (const auto& c : copies) blocks.push_back(c.block);
   out->stream = *s;
-  out->ticket = (*s)->submit(blocks);
+  if (Status ordered = after != nullptr ? after->order(copies.front().device, (*s)->native_stream())
+                                        : Status::Ok();
+      !ordered.ok()) {
+    out->ticket = ordered;  // reported by finish_inline
+  } else {
+    out->ticket = (*s)->submit(blocks);
+  }
   out->w.submit_end = Clock::now();
   return true;
 }
@@ -290,7 +296,7 @@ void GpuPath::finish_inline(InlineCopy& c, std::function<void(Status)>& done, bo
 }
 
 bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
-                          bool after_default_stream) {
+                          bool after_default_stream, const DefaultStreamMark* after) {
   if (!inline_eligible(copies)) return false;
   InlineCopy c;
   c.w.queued = Clock::now();
@@ -302,7 +308,7 @@ bool GpuPath::copy_inline(std::vector<DeviceCopy>& copies, std::function<void(St
   const bool hand_off =
       handoff_window_.count() > 0 && c.w.queued - last_inline < Clock::duration(handoff_window_);
   last_inline = c.w.queued;
-  if (!submit_inline(copies, after_default_stream, hand_off, &c)) return false;
+  if (!submit_inline(copies, after_default_stream, hand_off, &c, after)) return false;
   finish_inline(c, done, hand_off);
   return true;
 }
@@ -339,12 +345,12 @@ void GpuPath::copy_each_then(std::vector<std::vector<DeviceCopy>> groups,
 }
 
 void GpuPath::copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
-                        bool after_default_stream) {
-  if (copy_inline(copies, done, after_default_stream)) return;
+                        bool after_default_stream, std::shared_ptr<const DefaultStreamMark> after) {
+  if (copy_inline(copies, done, after_default_stream, after.get())) return;
   {
     std::lock_guard lock(mu_);
-    submits_.push_back(
-        Submit{std::move(copies), std::move(done), Clock::now(), after_default_stream});
+    submits_.push_back(Submit{std::move(copies), std::move(done), Clock::now(),
+                              after_default_stream, std::move(after)});
   }
   submit_cv_.notify_one();
 }
@@ -365,6 +371,12 @@ void GpuPath::submit_loop() {
       if (!s.ok()) {
         w.submit_error = s.status();
         break;
+      }
+      if (job.after) {
+        if (Status ordered = job.after->order(device, (*s)->native_stream()); !ordered.ok()) {
+          w.submit_error = ordered;
+          break;
+        }
       }
       auto ticket = (*s)->submit(blocks);
       if (!ticket.ok()) {

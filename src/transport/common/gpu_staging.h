@@ -44,6 +44,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/default_stream_mark.h"
 #include "cuda/staging_pool.h"
 #include "ferry/gpu.h"
 #include "ferry/status.h"
@@ -109,8 +110,11 @@ class GpuPath {
   // memory that the copies read (a write's source), which a PyTorch kernel
   // may still be filling. Never for a target's: a target kernel waiting on
   // the data would hold its own copy back.
+  // `after` (a read's landing copy): the copies start only after the work
+  // the mark recorded (cuda/default_stream_mark.h); null: no such order.
   void copy_then(std::vector<DeviceCopy> copies, std::function<void(Status)> done,
-                 bool after_default_stream = false);
+                 bool after_default_stream = false,
+                 std::shared_ptr<const DefaultStreamMark> after = nullptr);
   // Several frames' copies: `done[k]` runs once groups[k] finished. Where
   // every group is small enough for the inline path (and all are on one
   // device), all are submitted before the first is waited for, so the first
@@ -142,14 +146,14 @@ class GpuPath {
                              bool handed_off = false);
   // The inline path of copy_then; false if the copies are not for it.
   bool copy_inline(std::vector<DeviceCopy>& copies, std::function<void(Status)>& done,
-                   bool after_default_stream);
+                   bool after_default_stream, const DefaultStreamMark* after);
   // Its steps: small enough and on one device; submitted on the calling
   // thread's stream (false: no stream); waited for (spinning), or handed to
   // the watcher when `hand_off` or the wait outlasts inline_wait.
   struct InlineCopy;
   bool inline_eligible(const std::vector<DeviceCopy>& copies) const;
   bool submit_inline(const std::vector<DeviceCopy>& copies, bool after_default_stream,
-                     bool hand_off, InlineCopy* out);
+                     bool hand_off, InlineCopy* out, const DefaultStreamMark* after = nullptr);
   void finish_inline(InlineCopy& c, std::function<void(Status)>& done, bool hand_off);
   // Waits on `cv` for an item of `queue` (guarded by mu_) and moves it to
   // `out`; false once `stop` is set and the queue is drained.
@@ -166,6 +170,7 @@ class GpuPath {
     std::function<void(Status)> done;
     Clock::time_point queued;
     bool after_default_stream = false;
+    std::shared_ptr<const DefaultStreamMark> after;
   };
   struct Waiting {
     std::vector<std::pair<CopyStream*, uint64_t>> tickets;

@@ -1165,6 +1165,17 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     auto path = gpu();
     if (!path.ok()) return path.status();
     if (Status s = plan_staging(*job, *path); !s.ok()) return s;
+    if (!write) {
+      // The landing copies come when the data is in: they run after what the
+      // caller queued on the default stream before this call, and nothing later.
+      std::vector<int> devices;
+      for (const Segment& s : job->segs) {
+        if (s.local_device >= 0) devices.push_back(s.local_device);
+      }
+      auto mark = DefaultStreamMark::take(devices);
+      if (!mark.ok()) return mark.status();
+      job->after = std::move(mark.value());
+    }
   }
   JobSegments& segs = job->segs;
   if (segs.size() > 1) job->more_keys.resize(segs.size());
@@ -1431,21 +1442,24 @@ void FabricTransport::group_done_locked(const std::shared_ptr<Job>& job, size_t 
   }
   ++job->copies;
   path->run([this, job, g, path, copies = std::move(copies)]() mutable {
-    path->copy_then(std::move(copies), [this, job, g](Status st) {
-      {
-        std::lock_guard lock(post_mu_);
-        --job->copies;
-        job->groups[g].slot.reset();
-        if (!st.ok()) {
-          stop_staged_job_locked(*job, st,
-                                 fmt::format("copying {} bytes read from {} into GPU memory",
-                                             job->groups[g].bytes, describe(*job->peer)));
-        }
-        maybe_finish_locked(job);
-        notify_job_waiters_locked();
-      }
-      wake();
-    });
+    path->copy_then(
+        std::move(copies),
+        [this, job, g](Status st) {
+          {
+            std::lock_guard lock(post_mu_);
+            --job->copies;
+            job->groups[g].slot.reset();
+            if (!st.ok()) {
+              stop_staged_job_locked(*job, st,
+                                     fmt::format("copying {} bytes read from {} into GPU memory",
+                                                 job->groups[g].bytes, describe(*job->peer)));
+            }
+            maybe_finish_locked(job);
+            notify_job_waiters_locked();
+          }
+          wake();
+        },
+        /*after_default_stream=*/false, job->after);
   });
 }
 

@@ -234,6 +234,9 @@ struct Job {
   std::vector<int32_t> group_of;
   std::vector<uint64_t> slot_off;
   std::vector<StageGroup> groups;
+  // A staged read: its slot -> device copies run after the work the caller
+  // queued on the default stream before posting it (null: none was queued).
+  std::shared_ptr<const DefaultStreamMark> after;
   uint32_t copies = 0;    // staging copies in flight (they touch local memory)
   size_t next = 0;        // next segment to post
   uint64_t next_off = 0;  // bytes of it already posted

@@ -342,6 +342,19 @@ Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& tra
   auto planned = plan_post(peer, segments);
   if (!planned.ok()) return planned.status();
   const PostPlan& plan = *planned;
+  // Into GPU memory: the landing copies, submitted as the data arrives, run
+  // after what the caller queued on the default stream before this call (a
+  // memset of the destination), and nothing queued later.
+  std::shared_ptr<const DefaultStreamMark> after;
+  if (plan.local_gpu) {
+    std::vector<int> devices;
+    for (const Segment& seg : segments) {
+      if (seg.local_device >= 0) devices.push_back(seg.local_device);
+    }
+    auto mark = DefaultStreamMark::take(devices);
+    if (!mark.ok()) return mark.status();
+    after = std::move(mark.value());
+  }
   const bool traced = begin_trace(*transfer, &segments);
   std::vector<std::unique_ptr<TxFrame>> frames;
   std::unique_ptr<TxFrame> f;
@@ -357,6 +370,7 @@ Status TcpTransport::post_read(PeerId peer, const std::shared_ptr<Transfer>& tra
     p->expect = Op::kReadResponse;
     p->transfer = transfer;
     p->traced = traced;
+    p->after = after;
   };
   open();
   cut_frames(
@@ -1378,12 +1392,15 @@ void TcpTransport::finish_payload(Stream& s) {
         t.tx_begin();  // the copy writes the caller's GPU memory; cancel waits
       }
       if (trace) trace->mark(TraceStage::kLandCopySubmitted);
-      gpu_->copy_then(std::move(p->h2d), [this, p](Status st) {
-        if (StageTrace* tr = p->transfer->trace.get()) tr->mark(TraceStage::kLandCopyDone);
-        p->slot.reset();
-        p->transfer->tx_end();
-        on_response(p, st);
-      });
+      gpu_->copy_then(
+          std::move(p->h2d),
+          [this, p](Status st) {
+            if (StageTrace* tr = p->transfer->trace.get()) tr->mark(TraceStage::kLandCopyDone);
+            p->slot.reset();
+            p->transfer->tx_end();
+            on_response(p, st);
+          },
+          /*after_default_stream=*/false, p->after);
       return;
     }
     on_response(p, Status::Ok());

@@ -94,6 +94,9 @@ struct Pending {
   std::vector<Piece> gpu_pieces;
   std::unique_ptr<StagingSlot> slot;
   std::vector<DeviceCopy> h2d;
+  // ... which run after the work the caller queued on the default stream
+  // before posting the read (null: none was queued).
+  std::shared_ptr<const DefaultStreamMark> after;
 };
 
 struct TxFrame {
