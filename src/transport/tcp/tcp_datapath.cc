@@ -305,12 +305,17 @@ void TcpTransport::post_staged(
     auto fill = [transfer, frame, pieces](std::unique_ptr<StagingSlot> slot,
                                           std::vector<DeviceCopy>* copies) {
       {
+        // The copy reads the caller's GPU memory: counted under io_mu, so
+        // that a cancel() (which sets `cancelled` under it, then waits for
+        // the count to drain) either stops this copy here or waits for it.
+        // Counted after the check, a copy could start after cancel() had
+        // returned.
         std::lock_guard lock(transfer->io_mu);
         if (transfer->cancelled) return false;
+        transfer->tx_begin();
       }
       *copies = stage_pieces((*frame)->cursor, *pieces, slot->data(), true);
       (*frame)->slot = std::move(slot);
-      transfer->tx_begin();  // the copy reads the caller's GPU memory
       if (StageTrace* t = transfer->trace.get()) t->mark(TraceStage::kStageCopySubmitted);
       return true;
     };
