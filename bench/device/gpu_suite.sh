@@ -6,6 +6,10 @@
 # transfers with the target on the second GPU where there is one. Results in
 # $OUT: machine.txt, build.txt, gpu_tests.txt, trace_breakdown.txt.
 #   run(command="bench/device/gpu_suite.sh", carry=[".devcarry/root"], kind="nvidia-h200-x2")
+# The tests run 4 at a time (CTEST_JOBS, default 4): races that show only
+# under load -- another process's copies on the same GPU, every CPU busy --
+# are caught here rather than by the user (a read's landing copy ran before
+# the caller's cudaMemset of its destination only under -j4; docs/reliability.md).
 # SKIP_TRACE=1 leaves out the breakdown; CTEST_ARGS adds ctest arguments.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -23,7 +27,8 @@ echo "built in $((SECONDS - t0)) s"
 export LD_LIBRARY_PATH=$PWD/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 rc=0
 # shellcheck disable=SC2086
-ctest --test-dir "$BUILD" -R '^gpu\.' --timeout 300 --output-on-failure ${CTEST_ARGS:-} > "$O/gpu_tests.txt" 2>&1 || rc=1
+ctest --test-dir "$BUILD" -R '^gpu\.' -j "${CTEST_JOBS:-4}" --timeout 300 --output-on-failure \
+  ${CTEST_ARGS:-} > "$O/gpu_tests.txt" 2>&1 || rc=1
 grep -E "tests passed|Failed|\*\*\*|Skipped" "$O/gpu_tests.txt" | grep -v "^ *[0-9]*/[0-9]* Test.*Passed" | tail -30
 echo "tests done at $((SECONDS - t0)) s"
 if [ -z "${SKIP_TRACE:-}" ]; then
