@@ -52,6 +52,9 @@ def test_sync_mode_reaches_the_native_agent(monkeypatch):
     assert seen["sync"] == nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT.value
     _agent(sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
     assert seen["sync"] == nixl_thread_sync_t.NIXL_THREAD_SYNC_RW.value
+    _agent(sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE, enable_listen_thread=True,
+           listen_port=0)  # NONE is 0: it must not fall back to the listener's default
+    assert seen["sync"] == nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value
 
 
 def test_descriptor_lists():

@@ -135,8 +135,10 @@ class nixl_agent:
             logger.warning("instantiate_all is ignored when a config is given")
             instantiate_all = False
         conf = nixl_conf or nixl_agent_config()
-        sync = conf.sync_mode or (nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if conf.enable_listen
-                                  else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE)
+        sync = conf.sync_mode  # (NIXL_THREAD_SYNC_NONE is 0: test for None, not for truth)
+        if sync is None:
+            sync = (nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if conf.enable_listen
+                    else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE)
         native_conf = _bindings.nixlAgentConfig()
         native_conf.useProgThread = conf.enable_pthread
         native_conf.useListenThread = conf.enable_listen
