@@ -516,6 +516,10 @@ class nixlAgent:
                                     f"'{self.name}')")
         return req
 
+    def request(self, handle):
+        """The XferRequest behind a live handle, or None (for nixl_xfer_handle's fast path)."""
+        return self._xfers.get(int(handle))
+
     def postXferReq(self, handle, notif_msg=b"") -> nixl_status_t:
         return self._xfer(handle, "transfer").post(as_payload(notif_msg or b""))
 

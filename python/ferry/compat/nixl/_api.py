@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _bindings
 from ._types import DEFAULT_COMM_PORT, NIXL_INIT_AGENT, nixl_thread_sync_t
+from ._types import as_payload as _as_payload
 
 __all__ = ["DEFAULT_COMM_PORT", "nixl_agent", "nixl_agent_config", "nixl_backend_handle",
            "nixl_prepped_dlist_handle", "nixl_thread_sync_t", "nixl_xfer_handle"]
@@ -79,12 +80,16 @@ class nixl_xfer_handle:
     """A transfer request (from initialize_xfer or make_prepped_xfer). release()
     frees it, cancelling it if it is still running."""
 
-    __slots__ = ("_handle", "_agent", "_released")
+    __slots__ = ("_handle", "_agent", "_released", "_req")
 
     def __init__(self, agent, value: int):
         self._handle = int(value)
         self._agent = agent
         self._released = False
+        # The request itself, so that transfer / check_xfer_state (called in tight
+        # polling loops) skip the handle lookup; None for a foreign agent object.
+        find = getattr(agent, "request", None)
+        self._req = find(self._handle) if find is not None else None
 
     def release(self) -> None:
         if not self._released:
@@ -372,10 +377,17 @@ class nixl_agent:
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
         """Posts the transfer: "DONE" if it completed within the call, else "PROC"."""
+        req = handle._req
+        if req is not None and not handle._released and handle._agent is self.agent:
+            return _STATES.get(req.post(notif_msg if isinstance(notif_msg, bytes)
+                                        else _as_payload(notif_msg)), "ERR")
         return _STATES.get(self.agent.postXferReq(handle._handle, notif_msg), "ERR")
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """ "DONE" or "PROC"; a failed transfer raises its error (as NIXL's binding)."""
+        req = handle._req
+        if req is not None and not handle._released and handle._agent is self.agent:
+            return _STATES.get(req.status(), "ERR")
         return _STATES.get(self.agent.getXferStatus(handle._handle), "ERR")
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle):

@@ -129,10 +129,10 @@ class XferRequest:
         return self.status()
 
     def status(self) -> nixl_status_t:
-        if self._error is not None:
-            raise self._error
         if self._done:
             return _SUCCESS
+        if self._error is not None:
+            raise self._error
         if not self._posted:
             raise nixlNotPostedError(f"{self.describe()} was never posted (call transfer first)")
         for t in self._transfers:
