@@ -272,13 +272,15 @@ class Peer:
 
     def read_batch(self, region: Region, local_offsets: object, descriptors: object, desc_index: object | None = None, remote_offsets: object | None = None, lengths: object | None = None, timeout: float | None = None, async_: bool = False) -> object: ...
 
-    def prepare_write(self, region: Region, local_offsets: object, descriptors: object, desc_index: object | None = None, remote_offsets: object | None = None, lengths: object | None = None) -> PreparedTransfer:
+    def prepare_write(self, region: Region | None, local_offsets: object, descriptors: object, desc_index: object | None = None, remote_offsets: object | None = None, lengths: object | None = None) -> PreparedTransfer:
         """
-        A write_batch checked and built once, to post many times: PreparedTransfer.post() (async) or .run() (blocking). Same columns as write_batch.
+        A write_batch checked and built once, to post many times: PreparedTransfer.post() (async) or .run() (blocking). Same columns as write_batch; region=None: local_offsets are addresses in memory registered with this engine.
         """
 
-    def prepare_read(self, region: Region, local_offsets: object, descriptors: object, desc_index: object | None = None, remote_offsets: object | None = None, lengths: object | None = None) -> PreparedTransfer:
-        """A read_batch checked and built once, to post many times."""
+    def prepare_read(self, region: Region | None, local_offsets: object, descriptors: object, desc_index: object | None = None, remote_offsets: object | None = None, lengths: object | None = None) -> PreparedTransfer:
+        """
+        A read_batch checked and built once, to post many times (region=None: local addresses, as for prepare_write).
+        """
 
     def notify(self, payload: object) -> None: ...
 

@@ -1159,10 +1159,13 @@ struct PyPrepared {
   }
 };
 
+// region == nullptr: the local column holds addresses, each inside memory registered
+// with this engine (the engine finds the region per iov at every post), so one
+// prepared transfer may span several local registrations -- NIXL's requests do,
+// e.g. a KV cache's layers registered one by one (ferry.compat.nixl).
 nb::object prepare(PyPeer& p, Op op, PyRegion* region, nb::handle lo, nb::handle descs,
                    nb::handle di, nb::handle ro, nb::handle ln) {
   (void)p.box->get();
-  if (region == nullptr) raise(StatusCode::kInvalidArgument, "a prepared transfer needs a region");
   auto x = std::make_unique<PyPrepared>();
   x->peer = p;
   x->op = op;
@@ -1644,18 +1647,20 @@ NB_MODULE(_ferry, m) {
           [](PyPeer& p, PyRegion* region, nb::handle lo, nb::handle descs, nb::handle di,
              nb::handle ro,
              nb::handle ln) { return prepare(p, Op::kWrite, region, lo, descs, di, ro, ln); },
-          "region"_a, "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
+          "region"_a.none(), "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
           "remote_offsets"_a = nb::none(), "lengths"_a = nb::none(),
           "A write_batch checked and built once, to post many times: PreparedTransfer.post() "
-          "(async) or .run() (blocking). Same columns as write_batch.")
+          "(async) or .run() (blocking). Same columns as write_batch; region=None: "
+          "local_offsets are addresses in memory registered with this engine.")
       .def(
           "prepare_read",
           [](PyPeer& p, PyRegion* region, nb::handle lo, nb::handle descs, nb::handle di,
              nb::handle ro,
              nb::handle ln) { return prepare(p, Op::kRead, region, lo, descs, di, ro, ln); },
-          "region"_a, "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
+          "region"_a.none(), "local_offsets"_a, "descriptors"_a, "desc_index"_a = nb::none(),
           "remote_offsets"_a = nb::none(), "lengths"_a = nb::none(),
-          "A read_batch checked and built once, to post many times.")
+          "A read_batch checked and built once, to post many times (region=None: local "
+          "addresses, as for prepare_write).")
       .def(
           "_post_addresses",
           [](PyPeer& p, const std::string& op, nb::handle addrs, nb::handle lengths,

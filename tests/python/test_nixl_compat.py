@@ -264,6 +264,16 @@ def test_errors_name_the_descriptor_agent_and_handle(target):
         agent.agent.getXferStatus(12345)
     with pytest.raises(nb.nixlNotFoundError, match="has no such registration"):
         agent.deregister_memory(agent.get_reg_descs([(local.ctypes.data, 8, 0, "")], "DRAM"))
+    # Local memory deregistered after the request was made: the post is refused.
+    spare = np.zeros(8192, np.uint8)
+    spare_reg = agent.register_memory([(spare.ctypes.data, spare.nbytes, 0, "")], "DRAM")
+    h = agent.initialize_xfer("READ", agent.get_xfer_descs([(spare.ctypes.data, 4096, 0)], "DRAM"),
+                              good_r, "target")
+    agent.deregister_memory(spare_reg)
+    with pytest.raises(nb.nixlError, match=f"{spare.ctypes.data:x}|not registered|no region"):
+        agent.transfer(h)
+        _wait(lambda: agent.check_xfer_state(h) == "DONE", 20, "the failure")
+    assert not spare.any()  # nothing was read into memory no longer registered
     # The target deregisters its third buffer: the read fails there, named by Ferry.
     h = agent.initialize_xfer("READ", good_l, good_r, "target")
     agent.transfer(h)

@@ -100,15 +100,16 @@ class _Prepped:
     """A descriptor list prepared by prep_xfer_dlist: each descriptor's region
     (index into ``regions``), offset in it and length, found once."""
 
-    __slots__ = ("agent", "mem", "regions", "index", "offsets", "lengths", "descs")
+    __slots__ = ("agent", "mem", "regions", "index", "offsets", "lengths", "descs", "addresses")
 
-    def __init__(self, agent, mem, regions, index, offsets, lengths):
+    def __init__(self, agent, mem, regions, index, offsets, lengths, addresses):
         self.agent = agent          # None: local side; else the remote agent's name
         self.mem = mem
         self.regions = regions
         self.index = index
         self.offsets = offsets
         self.lengths = lengths
+        self.addresses = addresses  # the descriptors' own addresses (the local side's column)
         # The remote regions' Ferry descriptors, once (handed to each prepare call).
         self.descs = [r.handle for r in regions] if agent is not None else None
 
@@ -406,14 +407,14 @@ class nixlAgent:
     def _resolve_rows(self, agent_name, mem, arr, side: str) -> _Prepped:
         if agent_name is None:
             regions, idx, offsets = self._local.locate(mem, arr, side)
-            return _Prepped(None, mem, regions, idx, offsets, arr[:, 1].copy())
+            return _Prepped(None, mem, regions, idx, offsets, arr[:, 1].copy(), arr[:, 0].copy())
         name = as_name(agent_name)
         if name == self.name:
             raise nixlNotSupportedError(f"loopback transfers (agent '{name}' to itself) are not "
                                         "supported by ferry.compat.nixl")
         rec = self._remote(name, f"{side} descriptors")
         regions, idx, offsets = rec.regions.locate(mem, arr, f"{side} (agent '{name}')")
-        return _Prepped(name, mem, regions, idx, offsets, arr[:, 1].copy())
+        return _Prepped(name, mem, regions, idx, offsets, arr[:, 1].copy(), arr[:, 0].copy())
 
     def prepXferDlist(self, agent_name, descs, *rest) -> int:
         """(agent_name, nixlXferDList[, backends]) or, NIXL 1.5's strided form,
@@ -499,9 +500,9 @@ class nixlAgent:
             raise nixlInvalidParamError(f"descriptor pair {i}: local length {int(lengths[i])} "
                                         f"but remote length {int(r_lengths[i])}")
         rec = self._remote(rp.agent, "transfer")
-        req = XferRequest(self, op, rp.agent, self._peer(rec), lp.regions, pick(lp.index, li),
-                          pick(lp.offsets, li), lengths, rp.descs, pick(rp.index, ri),
-                          pick(rp.offsets, ri), as_payload(notif_msg or b""))
+        req = XferRequest(self, op, rp.agent, self._peer(rec), pick(lp.addresses, li), lengths,
+                          rp.descs, pick(rp.index, ri), pick(rp.offsets, ri),
+                          as_payload(notif_msg or b""))
         handle = next(self._handle_ids)
         with self._mu:
             self._xfers[handle] = req

@@ -1,14 +1,15 @@
 """A NIXL transfer request on Ferry: the descriptor pairs of one READ or WRITE to
-one remote agent, checked and built once as Ferry prepared transfers (one per
-local registered region the request touches), posted by ``transfer`` as often
-as the caller likes, polled by ``check_xfer_state``.
+one remote agent, checked and built once as one Ferry prepared transfer (local
+side by address, so a request may span every layer of a KV cache registered
+region by region), posted by ``transfer`` as often as the caller likes, polled
+by ``check_xfer_state``.
 
 Notifications keep NIXL's promise -- the target sees the message only after
-every byte of the transfer is in place: a WRITE that goes out as one Ferry call
-carries the message itself (Ferry delivers it after the data); a READ, or a
-request spanning several local regions, sends it as a standalone notification
-once every part has completed, at the ``transfer`` or ``check_xfer_state`` call
-that sees the completion (NIXL with its progress thread off does the same).
+every byte of the transfer is in place: a WRITE carries the message itself
+(Ferry delivers it after the data); a READ sends it as a standalone
+notification once the read has completed, at the ``transfer`` or
+``check_xfer_state`` call that sees the completion (NIXL with its progress
+thread off does the same).
 """
 from __future__ import annotations
 
@@ -48,21 +49,11 @@ class nixlXferTelemetry:
                 f"descCount={self.descCount})")
 
 
-def split_by_region(region_index: np.ndarray):
-    """Positions of the descriptors grouped by the local region holding them,
-    each group in the caller's order (one Ferry call per local region)."""
-    if region_index.size == 0 or (region_index == region_index[0]).all():
-        return [None]  # one region: every position, no copy
-    order = np.argsort(region_index, kind="stable")
-    cuts = np.flatnonzero(np.diff(region_index[order])) + 1
-    return np.split(order, cuts)
-
-
 class XferRequest:
     """Built by the agent (``initialize_xfer`` / ``make_prepped_xfer``)."""
 
-    def __init__(self, agent, op, remote: str, peer, local_regions, local_index,
-                 local_offsets, lengths, remote_descs, remote_index, remote_offsets, notif: bytes):
+    def __init__(self, agent, op, remote: str, peer, local_addresses, lengths, remote_descs,
+                 remote_index, remote_offsets, notif: bytes):
         self.agent = agent
         self.op = nixl_xfer_op_t(op)
         self.remote = remote
@@ -80,16 +71,13 @@ class XferRequest:
         self._t0 = 0
         self._t_done_ns = 0
         prepare = peer.prepare_write if self.op == nixl_xfer_op_t.NIXL_WRITE else peer.prepare_read
-        desc_index = remote_index.astype(np.uint32)
-        self._parts = []
-        for group in split_by_region(local_index):
-            pick = slice(None) if group is None else group
-            region = local_regions[int(local_index[0] if group is None else local_index[group[0]])]
-            try:
-                self._parts.append(prepare(region.handle[0], local_offsets[pick], remote_descs,
-                                           desc_index[pick], remote_offsets[pick], lengths[pick]))
-            except _errors.FerryError as exc:
-                raise from_ferry(exc, f"{self.describe()}: preparing the part in local {region}")
+        try:
+            # region=None: the local column is addresses (checked against this
+            # agent's registrations already; the engine checks them again per post).
+            self._parts = [prepare(None, local_addresses, remote_descs,
+                                   remote_index.astype(np.uint32), remote_offsets, lengths)]
+        except _errors.FerryError as exc:
+            raise from_ferry(exc, f"preparing {self.describe()}") from None
 
     def describe(self) -> str:
         return (f"{self.op.name[5:]} of {self.desc_count} descriptor(s), {self.total_bytes} bytes, "
