@@ -1,7 +1,9 @@
 """Ferry against NIXL and Mooncake on this host: two processes per measurement,
 host memory, one-sided WRITE and READ, DEPTH calls in flight. Engines alternate
-per workload and repetition (order rotated); the table shows medians.
-Started by run.sh (which sets up the venv); see bench/README.md.
+per workload and round (order rotated); the table shows medians and, after
+several rounds, the spread (lowest-highest); ratios are of the medians, with
+the spread of the per-round ratios. Started by run.sh (which sets up the venv);
+see bench/peers/README.md.
 """
 from __future__ import annotations
 
@@ -24,9 +26,15 @@ ENGINES = {
     "Ferry tcp": ("ferry", {"FERRY_ENGINE_TRANSPORTS": "tcp"}),
     # shm's shared-memory staging mode, the path taken where cross-memory attach is refused
     "Ferry staging": ("ferry", {"FERRY_SHM_MODE": "staging"}),
+    # NIXL's fastest configuration: the initiator without a UCX progress thread
+    # (it polls); "progthread": NIXL's default, the initiator keeps one.
     "NIXL": ("nixl", {}),  # UCX picks (cross-memory attach on one host)
+    "NIXL progthread": ("nixl", {"PEERS_NIXL_PROG_THREAD": "1"}),
     "NIXL tcp": ("nixl", {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}),
+    "NIXL tcp progthread": ("nixl", {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo",
+                                     "PEERS_NIXL_PROG_THREAD": "1"}),
     "Mooncake": ("mooncake", {}),  # tcp, P2PHANDSHAKE
+    "iperf3": ("iperf3", {}),  # one TCP stream on loopback, iperf3 -l BLOCK
     "memcpy": ("memcpy", {}),  # one process: the same bytes copied by numpy
 }
 # Quiet logs for every engine (Mooncake logs each completed batch at INFO).
@@ -34,8 +42,9 @@ QUIET = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "
 # name, block bytes, iovs per call
 WORKLOADS = [("4KiB x 64", 4096, 64), ("64KiB x 8", 65536, 8), ("1MiB x 8", 1 << 20, 8),
              ("KV 298 x 1179648", 1179648, 298)]
-RATIOS = [("Ferry", "NIXL"), ("Ferry", "NIXL tcp"), ("Ferry", "Mooncake"), ("Ferry tcp", "NIXL tcp"),
-          ("Ferry staging", "NIXL"), ("Ferry", "memcpy")]
+RATIOS = [("Ferry", "NIXL"), ("Ferry", "NIXL progthread"), ("Ferry", "Mooncake"),
+          ("Ferry tcp", "NIXL tcp"), ("Ferry tcp", "NIXL tcp progthread"), ("Ferry tcp", "iperf3"),
+          ("Ferry tcp", "Mooncake"), ("Ferry staging", "NIXL"), ("Ferry", "memcpy")]
 
 
 def call_driver(name, args, extra, timeout):
@@ -52,20 +61,37 @@ def call_driver(name, args, extra, timeout):
     return rows, err
 
 
+def spread(v):
+    return f"{min(v):.2f}-{max(v):.2f}" if len(v) > 1 else ""
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("-r", "--reps", type=int, default=3)
+    ap.add_argument("-r", "--reps", type=int, default=3, help="rounds")
     ap.add_argument("--secs", type=float, default=2.0, help="timed seconds per engine, workload and op")
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("-d", "--depth", type=int, default=4, help="calls in flight")
     ap.add_argument("--quick", action="store_true", help="1 repetition, 0.5 s, 0.2 s warm-up")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of: " + ", ".join(ENGINES))
+    ap.add_argument("--workloads", default=",".join(w[0] for w in WORKLOADS),
+                    help="comma list of: " + ", ".join(w[0] for w in WORKLOADS))
+    ap.add_argument("--ops", default="write,read", help="write, read or both")
+    ap.add_argument("--grouped", action="store_true",
+                    help="one pair of processes per engine and round runs every workload (one "
+                         "start-up instead of one per workload: for a short lease on a machine)")
     ap.add_argument("--json", nargs="?", const="auto", default=None,
                     help="write results (default bench/results/peers-DATE-COMMIT.jsonl)")
     a = ap.parse_args()
     if a.quick:
         a.reps, a.secs, a.warmup = 1, 0.5, 0.2
     names = [n.strip() for n in a.engines.split(",")]
+    if unknown := [n for n in names if n not in ENGINES]:
+        sys.exit(f"unknown engine(s) {unknown}; known: {', '.join(ENGINES)}")
+    wanted = [w.strip() for w in a.workloads.split(",")]
+    workloads = [w for w in WORKLOADS if w[0] in wanted]
+    if len(workloads) != len(wanted):
+        sys.exit(f"unknown workload in {wanted}; known: {', '.join(w[0] for w in WORKLOADS)}")
+    op_list = [o.strip() for o in a.ops.split(",")]
     log = lambda *m: print("[peers]", *m, file=sys.stderr, flush=True)
 
     # Which engines run here: each creates an engine on both sides and moves 4 KiB.
@@ -79,50 +105,81 @@ def main():
             not_run[n] = err or "no output"
             log(f"{n}: NOT RUN ({not_run[n]})")
     running = [n for n in names if n in versions]
+    by_shape = {(block, batch): wname for wname, block, batch in workloads}
 
     runs, failures = [], []
-    timeout = 120 + 4 * (a.secs + a.warmup)
     for rep in range(a.reps):
-        ops = ["write", "read"] if rep % 2 == 0 else ["read", "write"]
-        for wi, (wname, block, batch) in enumerate(WORKLOADS):
-            k = (rep + wi) % max(1, len(running))
+        ops = op_list if rep % 2 == 0 else op_list[::-1]
+        # Grouped: every workload in one call per engine; else one call per workload.
+        groups = [workloads] if a.grouped else [[w] for w in workloads]
+        for gi, group in enumerate(groups):
+            k = (rep + gi) % max(1, len(running))
+            timeout = 120 + len(group) * len(ops) * 4 * (a.secs + a.warmup)
             for n in running[k:] + running[:k]:  # rotated: no engine always first or last
-                extra = ["--block", str(block), "--batch", str(batch), "--depth", str(a.depth),
+                extra = ["--block", ",".join(str(w[1]) for w in group),
+                         "--batch", ",".join(str(w[2]) for w in group), "--depth", str(a.depth),
                          "--secs", str(a.secs), "--warmup", str(a.warmup), "--ops", ",".join(ops)]
                 rows, err = call_driver(n, a, extra, timeout)
                 for r in rows:
-                    r.update(kind="measure", engine=n, workload=wname, block_size=block, batch=batch,
-                             depth=a.depth, rep=rep)
-                    runs.append(r)
-                    if r["verify"] != "ok":
-                        failures.append(f"{n} {wname} {r['op']}: DATA CHECK {r['verify']}")
-                    log(f"rep {rep + 1}/{a.reps} {wname} {r['op']:5} {n:9} {r['gbps']:7.3f} GB/s  verify {r['verify']}")
+                    # iperf3 reports per block size; its rows stand beside every workload of it.
+                    names_ = [w for (bl, ba), w in by_shape.items()
+                              if bl == r["block"] and (ba == r["batch"] or n == "iperf3")]
+                    for wname in names_:
+                        batch = next(w[2] for w in workloads if w[0] == wname)
+                        r2 = dict(r, kind="measure", engine=n, workload=wname, block_size=r["block"],
+                                  batch=batch, depth=a.depth, rep=rep)
+                        runs.append(r2)
+                        if r["verify"] != "ok":
+                            failures.append(f"{n} {wname} {r['op']}: DATA CHECK {r['verify']}")
+                        log(f"rep {rep + 1}/{a.reps} {wname} {r['op']:5} {n:9} {r['gbps']:7.3f} GB/s  "
+                            f"verify {r['verify']}")
                 if err:
-                    failures.append(f"{n} {wname}: {err}")
-                    log(f"rep {rep + 1}/{a.reps} {wname} {n}: FAILED {err}")
+                    failures.append(f"{n} {'+'.join(w[0] for w in group)}: {err}")
+                    log(f"rep {rep + 1}/{a.reps} {n}: FAILED {err}")
 
-    # --- medians and the table -----------------------------------------------------
-    med = {}
-    for wname, _, _ in WORKLOADS:
-        for op in ("write", "read"):
+    # --- medians, spread and the table ---------------------------------------------
+    med, vals = {}, {}
+    for wname, _, _ in workloads:
+        for op in op_list:
             for n in running:
                 v = [r["gbps"] for r in runs if (r["engine"], r["workload"], r["op"]) == (n, wname, op)]
                 if v:
+                    vals[wname, op, n] = v
                     med[wname, op, n] = statistics.median(v)
+
+    def per_round(wname, op, x, y):  # ratios of the rounds where both ran
+        gx = {r["rep"]: r["gbps"] for r in runs if (r["engine"], r["workload"], r["op"]) == (x, wname, op)}
+        gy = {r["rep"]: r["gbps"] for r in runs if (r["engine"], r["workload"], r["op"]) == (y, wname, op)}
+        return [gx[k] / gy[k] for k in sorted(gx) if k in gy and gy[k] > 0]
+
     cols = [n for n in names if n in running]
-    hdr = ["workload", "op"] + cols + [f"{x}/{y}" for x, y in RATIOS]
-    table = []
-    for wname, _, _ in WORKLOADS:
-        for op in ("write", "read"):
-            row = [wname, op] + [f"{med[wname, op, n]:.2f}" if (wname, op, n) in med else "-" for n in cols]
-            for x, y in RATIOS:
+    ratios = [(x, y) for x, y in RATIOS if x in running and y in running]
+    hdr = ["workload", "op"] + cols + [f"{x}/{y}" for x, y in ratios]
+    table, ratio_rows = [], []
+    for wname, _, _ in workloads:
+        for op in op_list:
+            row = [wname, op]
+            for n in cols:
+                v = vals.get((wname, op, n))
+                row.append(f"{med[wname, op, n]:.2f}" + (f" ({spread(v)})" if v and len(v) > 1 else "")
+                           if v else "-")
+            for x, y in ratios:
                 vx, vy = med.get((wname, op, x)), med.get((wname, op, y))
-                row.append(f"{vx / vy:.2f}" if vx and vy else "-")
+                pr = per_round(wname, op, x, y)
+                if vx and vy:
+                    row.append(f"{vx / vy:.2f}" + (f" ({spread(pr)})" if len(pr) > 1 else ""))
+                    ratio_rows.append({"kind": "ratio", "workload": wname, "op": op, "engine": x,
+                                       "reference": y, "ratio_of_medians": vx / vy, "per_round": pr,
+                                       "ahead_rounds": sum(1 for q in pr if q > 1)})
+                else:
+                    row.append("-")
             table.append(row)
     w = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(hdr)]
     fmt = lambda r: "  ".join(c.rjust(w[i]) if i >= 2 else c.ljust(w[i]) for i, c in enumerate(r))
-    print(f"\nGB/s (10^9 B/s of payload), medians of {a.reps}; 2 processes, host memory, "
-          f"{a.depth} calls in flight, {a.secs} s per run; memcpy: one process, same bytes")
+    print(f"\nGB/s (10^9 B/s of payload), medians of {a.reps} rounds (lowest-highest); 2 processes, "
+          f"host memory, {a.depth} calls in flight, {a.secs} s per run; ratios: of the medians "
+          f"(lowest-highest per-round ratio); memcpy: one process, same bytes; iperf3: one stream, "
+          f"-l BLOCK; {os.cpu_count()} CPUs")
     print(fmt(hdr))
     print("  ".join("-" * x for x in w))
     for r in table:
@@ -148,14 +205,18 @@ def main():
             dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
                                         capture_output=True, text=True).stdout.strip())
             f.write(json.dumps({"kind": "run", "date": date, "commit": commit, "dirty_tree": dirty,
-                                "reps": a.reps, "secs": a.secs, "warmup": a.warmup, "depth": a.depth,
+                                "reps": a.reps, "secs": a.secs, "grouped": a.grouped, "warmup": a.warmup, "depth": a.depth,
                                 "nproc": os.cpu_count(), "kernel": platform.release(),
                                 "engines": {n: {"driver": ENGINES[n][0], "env": ENGINES[n][1]} for n in names},
                                 "versions": versions, "not_run": not_run, "failures": failures}) + "\n")
             for r in runs:
                 f.write(json.dumps(r) + "\n")
             for (wname, op, n), v in med.items():
-                f.write(json.dumps({"kind": "median", "workload": wname, "op": op, "engine": n, "gbps": v}) + "\n")
+                f.write(json.dumps({"kind": "median", "workload": wname, "op": op, "engine": n, "gbps": v,
+                                    "lowest": min(vals[wname, op, n]), "highest": max(vals[wname, op, n]),
+                                    "rounds": len(vals[wname, op, n])}) + "\n")
+            for r in ratio_rows:
+                f.write(json.dumps(r) + "\n")
         print(f"results: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     return 1 if failures else 0
 

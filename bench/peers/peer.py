@@ -5,8 +5,14 @@ flight. Prints one JSON line per op on stdout. Called by bench.py.
     python peer.py ENGINE --block 65536 --batch 8 --depth 4 --secs 2 --ops write,read
     python peer.py ENGINE --probe      # both sides, 4 KiB each way; prints the version
 
-ENGINE: ferry | nixl | mooncake | memcpy (memcpy: one process, no target).
-The environment picks variants (FERRY_ENGINE_TRANSPORTS=tcp, UCX_TLS=tcp).
+ENGINE: ferry | nixl | mooncake | memcpy | iperf3 (memcpy: one process, no
+target; iperf3: one TCP stream on loopback, `iperf3 -l BLOCK`, its own server).
+The environment picks variants (FERRY_ENGINE_TRANSPORTS=tcp, UCX_TLS=tcp;
+PEERS_NIXL_PROG_THREAD=1: NIXL's initiator keeps its UCX progress thread).
+
+--block and --batch may be comma lists of equal length: the workloads run one
+after another in the same pair of processes (one start-up for all of them),
+each line then names its block and batch.
 
 Memory: DEPTH slots per side, each BATCH blocks of BLOCK bytes back to back;
 call k of the DEPTH in flight moves slot k of the initiator to/from slot k of
@@ -86,10 +92,12 @@ class Ferry:
 class Nixl:
     def __init__(self, buf, role):
         from nixl._api import nixl_agent, nixl_agent_config
-        # The initiator polls, and its polls drive UCX (no progress thread: faster
-        # here than a thread competing for the 2 cores); the idle target keeps one.
-        self.agent = nixl_agent(role, nixl_agent_config(enable_prog_thread=role == "target",
-                                                        backends=["UCX"]))
+        # NIXL's fastest configuration: the initiator has no progress thread, its
+        # polls (check_xfer_state) drive UCX -- no thread competing for the cores.
+        # PEERS_NIXL_PROG_THREAD=1 keeps it (NIXL's default), for reference. The
+        # target keeps one: over UCX's tcp transport it must receive the bytes.
+        prog = role == "target" or os.environ.get("PEERS_NIXL_PROG_THREAD") == "1"
+        self.agent = nixl_agent(role, nixl_agent_config(enable_prog_thread=prog, backends=["UCX"]))
         self.agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
         self.base = buf.ctypes.data
 
@@ -239,15 +247,63 @@ def memcpy_run(block, batch, depth, secs, warmup, ops):
                 calls += 1
             el = time.perf_counter() - t0
         ok = np.array_equal(a, b)
-        print(json.dumps({"op": op, "gbps": calls * slot / el / 1e9, "calls": calls, "seconds": el,
-                          "verify": "ok" if ok else "FAILED: copies differ"}), flush=True)
+        emit(block, batch, {"op": op, "gbps": calls * slot / el / 1e9, "calls": calls, "seconds": el,
+                            "verify": "ok" if ok else "FAILED: copies differ"})
+
+
+def iperf3_run(block, secs, warmup, ops, probe=False):
+    """One TCP stream on loopback, iperf3 writing BLOCK bytes per send: the kernel's
+    single-stream limit beside tcp. Its own server on a free port; write: client
+    to server, read: -R (server to client). GB/s: bytes received after the first
+    `warmup` seconds (--omit) over the timed seconds."""
+    import shutil
+    import socket
+    import subprocess
+    exe = shutil.which("iperf3")
+    if not exe:
+        raise RuntimeError("iperf3 is not installed (Debian package iperf3)")
+    if probe:
+        v = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.split()
+        print(json.dumps({"version": " ".join(v[:2]) or "iperf3", "transports": None}), flush=True)
+        return
+    for op in ops:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = subprocess.Popen([exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.2)  # the server listens within a few ms; the client retries below
+            cmd = [exe, "-c", "127.0.0.1", "-p", str(port), "-l", str(block), "-J",
+                   "-t", str(max(1, round(secs))), "-O", str(max(0, round(warmup + 0.49)))]
+            if op == "read":
+                cmd.append("-R")
+            for _ in range(5):
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + secs + warmup)
+                res = json.loads(p.stdout or "{}")
+                if "unable to connect" not in res.get("error", ""):
+                    break
+                time.sleep(0.2)
+            if "error" in res:
+                raise RuntimeError(f"iperf3: {res['error']}")
+            end = res["end"]["sum_received"]
+            emit(block, 1, {"op": op, "gbps": end["bits_per_second"] / 8 / 1e9,
+                            "calls": None, "seconds": end["seconds"], "verify": "ok"})
+        finally:
+            if server.poll() is None:
+                server.kill()
+            server.wait()
+
+
+def emit(block, batch, row):
+    print(json.dumps({"block": block, "batch": batch, **row}), flush=True)
 
 
 def measure():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("engine", choices=[*ENGINES, "memcpy"])
-    ap.add_argument("--block", type=int, default=65536)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("engine", choices=[*ENGINES, "memcpy", "iperf3"])
+    ap.add_argument("--block", default="65536", help="bytes per block (a comma list: several workloads)")
+    ap.add_argument("--batch", default="8", help="blocks per call (a comma list, as many as --block)")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--secs", type=float, default=2.0)
     ap.add_argument("--warmup", type=float, default=0.5)
@@ -255,17 +311,30 @@ def measure():
     ap.add_argument("--probe", action="store_true", help="import, create an engine, print its version")
     args = ap.parse_args()
     ops = args.ops.split(",")
+    blocks = [int(x) for x in args.block.split(",")]
+    batches = [int(x) for x in args.batch.split(",")]
+    if len(blocks) != len(batches):
+        sys.exit("--block and --batch need as many entries")
+    workloads = list(zip(blocks, batches))
     if args.engine == "memcpy":
         if args.probe:
             print(json.dumps({"version": "numpy " + np.__version__}))
             return
-        return memcpy_run(args.block, args.batch, args.depth, args.secs, args.warmup, ops)
+        for block, batch in workloads:
+            memcpy_run(block, batch, args.depth, args.secs, args.warmup, ops)
+        return
+    if args.engine == "iperf3":
+        if args.probe:
+            return iperf3_run(0, 0, 0, ops, probe=True)
+        for block, _ in workloads:
+            iperf3_run(block, args.secs, args.warmup, ops)
+        return
 
     cls = ENGINES[args.engine]
     if args.probe:  # the engine on both sides, on a small buffer
-        args.block, args.batch, args.depth = 4096, 1, 1
-    slot = args.block * args.batch
-    size = slot * args.depth
+        workloads = [(4096, 1)]
+        args.depth = 1
+    size = max(block * batch for block, batch in workloads) * args.depth
     conn, child = CTX.Pipe()
     proc = CTX.Process(target=target_main, args=(args.engine, size, child), daemon=True)
     proc.start()
@@ -279,35 +348,38 @@ def measure():
         buf = np.ones(size, dtype=np.uint8)
         eng = cls(buf, "initiator")
         eng.connect(info)
-        offs = np.arange(args.batch, dtype=np.uint64) * np.uint64(args.block)
-        slots = {op: [eng.prepare(op, np.uint64(eng.base + k * slot) + offs,
-                                  np.uint64(eng.rbase + k * slot) + offs, args.block)
-                      for k in range(args.depth)] for op in ops}
-        if args.probe:
-            for op in ops:
-                run(eng, slots[op], 0)
-            print(json.dumps({"version": cls.version(), "transports": eng.transports()}), flush=True)
-            return
-        for i, op in enumerate(ops):
-            run(eng, slots[op], args.warmup)
-            calls, el = run(eng, slots[op], args.secs)
-            # Check outside the timed loop: fresh random bytes in slot 0, one call.
-            seed = 1000 + i
-            rnd = np.frombuffer(np.random.default_rng(seed).bytes(slot), dtype=np.uint8)
-            if op == "write":
-                buf[:slot] = rnd
-                eng.wait(eng.post(slots[op][0]))
-                conn.send(("check", 0, slot, seed))
-                bad = conn.recv()
-            else:
-                conn.send(("fill", 0, slot, seed))
-                conn.recv()
-                buf[:slot] = 0
-                eng.wait(eng.post(slots[op][0]))
-                bad = int(np.count_nonzero(buf[:slot] != rnd))
-            print(json.dumps({"op": op, "gbps": calls * slot / el / 1e9, "calls": calls, "seconds": el,
-                              "verify": "ok" if bad == 0 else f"FAILED: {bad} of {slot} bytes differ",
-                              "transports": eng.transports()}), flush=True)
+        for wi, (block, batch) in enumerate(workloads):
+            slot = block * batch
+            offs = np.arange(batch, dtype=np.uint64) * np.uint64(block)
+            slots = {op: [eng.prepare(op, np.uint64(eng.base + k * slot) + offs,
+                                      np.uint64(eng.rbase + k * slot) + offs, block)
+                          for k in range(args.depth)] for op in ops}
+            if args.probe:
+                for op in ops:
+                    run(eng, slots[op], 0)
+                print(json.dumps({"version": cls.version(), "transports": eng.transports()}), flush=True)
+                return
+            for i, op in enumerate(ops):
+                run(eng, slots[op], args.warmup)
+                calls, el = run(eng, slots[op], args.secs)
+                # Check outside the timed loop: fresh random bytes in slot 0, one call.
+                seed = 1000 + 10 * wi + i
+                rnd = np.frombuffer(np.random.default_rng(seed).bytes(slot), dtype=np.uint8)
+                if op == "write":
+                    buf[:slot] = rnd
+                    eng.wait(eng.post(slots[op][0]))
+                    conn.send(("check", 0, slot, seed))
+                    bad = conn.recv()
+                else:
+                    conn.send(("fill", 0, slot, seed))
+                    conn.recv()
+                    buf[:slot] = 0
+                    eng.wait(eng.post(slots[op][0]))
+                    bad = int(np.count_nonzero(buf[:slot] != rnd))
+                emit(block, batch, {"op": op, "gbps": calls * slot / el / 1e9, "calls": calls,
+                                    "seconds": el,
+                                    "verify": "ok" if bad == 0 else f"FAILED: {bad} of {slot} bytes differ",
+                                    "transports": eng.transports()})
     finally:
         try:  # the target closes its engine first: ours may still have its connection
             conn.send(("exit",))

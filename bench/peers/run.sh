@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Ferry against NIXL (UCX) and Mooncake Transfer Engine on this host: two
-# processes per measurement, host memory, one-sided WRITE and READ, several
-# calls in flight; engines alternate, medians of 3. One command:
+# Ferry against NIXL (UCX; its fastest configuration, the initiator without a
+# progress thread, and its default beside it), Mooncake Transfer Engine and one
+# iperf3 stream on this host: two processes per measurement, host memory,
+# one-sided WRITE and READ, several calls in flight; engines alternate, medians
+# of 3 rounds with their spread. One command:
 #
 #   bench/peers/run.sh                 # full run (about 10 minutes on 2 cores)
 #   bench/peers/run.sh --quick         # smoke run: 1 repetition, 0.5 s per run
 #   bench/peers/run.sh --json          # also bench/results/peers-DATE-COMMIT.jsonl + docs/peers.png
 #
 # Options (passed to bench.py): -r/--reps N, --secs S, --warmup S, -d/--depth N,
-#   --engines "Ferry,NIXL,...", --json [PATH]; and here: --no-plot, --no-setup
+#   --engines "Ferry,NIXL,...", --workloads "1MiB x 8,...", --ops write, --grouped,
+#   --json [PATH]; and here: --no-plot, --no-setup
 #   (use build/peers-venv as it is).
 # Set-up (skipped when done): a venv in build/peers-venv with nixl (its UCX
 # backend; installed without torch, which only its GPU paths use),
@@ -27,17 +30,17 @@ for a in "$@"; do
   case "$a" in
     --no-setup) SETUP=0 ;;
     --no-plot) PLOT=0 ;;
-    -h|--help) sed -n '2,18p' "$0"; exec python3 "$ROOT/bench/peers/bench.py" --help ;;
+    -h|--help) sed -n '2,21p' "$0"; exec python3 "$ROOT/bench/peers/bench.py" --help ;;
     *) [[ "$a" == --json* ]] && JSON=1; ARGS+=("$a") ;;
   esac
 done
 
 setup() {
-  # Debian: the Ferry build (as in ferry.sh) and libibverbs, which Mooncake's
-  # engine links even for tcp.
+  # Debian: the Ferry build (as in ferry.sh), libibverbs, which Mooncake's
+  # engine links even for tcp, and iperf3 (the single-stream reference).
   local need=()
   for p in build-essential cmake ninja-build pkg-config libspdlog-dev \
-      libfmt-dev python3-venv python3-dev libibverbs1; do
+      libfmt-dev python3-venv python3-dev libibverbs1 iperf3; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
   done
   if [[ ${#need[@]} -gt 0 ]]; then
