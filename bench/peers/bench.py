@@ -184,6 +184,24 @@ def main():
     print("  ".join("-" * x for x in w))
     for r in table:
         print(fmt(r))
+    # CPU cost: CPU seconds of both processes (every thread) per GB moved, medians.
+    cpu_cols = [n for n in cols if any(r.get("cpu_s_per_gb") is not None for r in runs if r["engine"] == n)]
+    if cpu_cols:
+        print("\nCPU seconds per GB moved (initiator + target, every thread; medians)")
+        chdr = ["workload", "op"] + cpu_cols
+        crows = []
+        for wname, _, _ in workloads:
+            for op in op_list:
+                row = [wname, op]
+                for n in cpu_cols:
+                    v = [r["cpu_s_per_gb"] for r in runs if (r["engine"], r["workload"], r["op"]) == (n, wname, op)
+                         and r.get("cpu_s_per_gb") is not None]
+                    row.append(f"{statistics.median(v):.3f}" if v else "-")
+                crows.append(row)
+        cw = [max(len(h), *(len(r[i]) for r in crows)) for i, h in enumerate(chdr)]
+        print("  ".join(c.ljust(cw[i]) if i < 2 else c.rjust(cw[i]) for i, c in enumerate(chdr)))
+        for r in crows:
+            print("  ".join(c.ljust(cw[i]) if i < 2 else c.rjust(cw[i]) for i, c in enumerate(r)))
     print("\nversions: " + "; ".join(f"{n}: {v['version']}" for n, v in versions.items()))
     ferry_t = {n: v["transports"] for n, v in versions.items() if n.startswith("Ferry")}
     if ferry_t:
@@ -196,8 +214,10 @@ def main():
         print("data checks: all ok (" + str(sum(1 for r in runs)) + " runs, one check each)")
 
     if a.json:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True).stdout.strip() or "nogit"
+        # PEERS_COMMIT: a copy of the tree without .git (a device machine) names its commit.
+        commit = os.environ.get("PEERS_COMMIT") or subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True).stdout.strip() or "nogit"
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         path = Path(a.json) if a.json != "auto" else ROOT / "bench/results" / f"peers-{date}-{commit}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -204,6 +204,8 @@ def target_main(kind, size, conn):
             off, n, seed = a
             want = np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8)
             conn.send(int(np.count_nonzero(buf[off:off + n] != want)))
+        elif cmd == "cpu":  # CPU seconds of this process so far (all its threads)
+            conn.send(time.process_time())
         elif cmd == "fill":
             off, n, seed = a
             buf[off:off + n] = np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8)
@@ -361,7 +363,11 @@ def measure():
                 return
             for i, op in enumerate(ops):
                 run(eng, slots[op], args.warmup)
+                conn.send(("cpu",))
+                cpu0 = time.process_time() + conn.recv()
                 calls, el = run(eng, slots[op], args.secs)
+                conn.send(("cpu",))
+                cpu = time.process_time() + conn.recv() - cpu0  # both processes, every thread
                 # Check outside the timed loop: fresh random bytes in slot 0, one call.
                 seed = 1000 + 10 * wi + i
                 rnd = np.frombuffer(np.random.default_rng(seed).bytes(slot), dtype=np.uint8)
@@ -377,7 +383,8 @@ def measure():
                     eng.wait(eng.post(slots[op][0]))
                     bad = int(np.count_nonzero(buf[:slot] != rnd))
                 emit(block, batch, {"op": op, "gbps": calls * slot / el / 1e9, "calls": calls,
-                                    "seconds": el,
+                                    "seconds": el, "cpu_seconds": cpu,
+                                    "cpu_s_per_gb": cpu / (calls * slot / 1e9),
                                     "verify": "ok" if bad == 0 else f"FAILED: {bad} of {slot} bytes differ",
                                     "transports": eng.transports()})
     finally:
