@@ -24,6 +24,9 @@ ROOT = HERE.parent.parent
 ENGINES = {
     "Ferry": ("ferry", {}),
     "Ferry tcp": ("ferry", {"FERRY_ENGINE_TRANSPORTS": "tcp"}),
+    # shm with a fixed budget of copy threads on the target (the default follows the CPUs)
+    "Ferry 1 copy thread": ("ferry", {"FERRY_SHM_COPY_THREADS": "1"}),
+    "Ferry 4 copy threads": ("ferry", {"FERRY_SHM_COPY_THREADS": "4"}),
     # shm's shared-memory staging mode, the path taken where cross-memory attach is refused
     "Ferry staging": ("ferry", {"FERRY_SHM_MODE": "staging"}),
     # NIXL's fastest configuration: the initiator without a UCX progress thread
@@ -37,12 +40,15 @@ ENGINES = {
     "iperf3": ("iperf3", {}),  # one TCP stream on loopback, iperf3 -l BLOCK
     "memcpy": ("memcpy", {}),  # one process: the same bytes copied by numpy
 }
+# Run unless --engines names others (the copy-thread variants are asked for).
+DEFAULT_ENGINES = [n for n in ENGINES if "copy thread" not in n]
 # Quiet logs for every engine (Mooncake logs each completed batch at INFO).
 QUIET = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "warn"}
 # name, block bytes, iovs per call
 WORKLOADS = [("4KiB x 64", 4096, 64), ("64KiB x 8", 65536, 8), ("1MiB x 8", 1 << 20, 8),
              ("KV 298 x 1179648", 1179648, 298)]
 RATIOS = [("Ferry", "NIXL"), ("Ferry", "NIXL progthread"), ("Ferry", "Mooncake"),
+          ("Ferry", "Ferry 4 copy threads"), ("Ferry 1 copy thread", "NIXL"),
           ("Ferry tcp", "NIXL tcp"), ("Ferry tcp", "NIXL tcp progthread"), ("Ferry tcp", "iperf3"),
           ("Ferry tcp", "Mooncake"), ("Ferry staging", "NIXL"), ("Ferry", "memcpy")]
 
@@ -72,7 +78,7 @@ def main():
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("-d", "--depth", type=int, default=4, help="calls in flight")
     ap.add_argument("--quick", action="store_true", help="1 repetition, 0.5 s, 0.2 s warm-up")
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of: " + ", ".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help="comma list of: " + ", ".join(ENGINES))
     ap.add_argument("--workloads", default=",".join(w[0] for w in WORKLOADS),
                     help="comma list of: " + ", ".join(w[0] for w in WORKLOADS))
     ap.add_argument("--ops", default="write,read", help="write, read or both")

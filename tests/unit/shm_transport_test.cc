@@ -429,6 +429,112 @@ std::vector<uint8_t> random_bytes(size_t n) {
   return v;
 }
 
+// ------------------------------------------------- copies over threads ---
+
+uint64_t counter(const Side& side, const std::string& name) {
+  for (const auto& [k, v] : side.transport.counters()) {
+    if (k == name) return v;
+  }
+  ADD_FAILURE() << "no counter " << name;
+  return 0;
+}
+
+TEST(ShmCopyThreads, DefaultFollowsTheCpus) {
+  EXPECT_EQ(default_copy_threads(1), 1u);
+  EXPECT_EQ(default_copy_threads(2), 2u);
+  EXPECT_EQ(default_copy_threads(4), 4u);
+  EXPECT_EQ(default_copy_threads(6), 4u);
+  EXPECT_EQ(default_copy_threads(12), 6u);
+  EXPECT_EQ(default_copy_threads(16), 8u);
+  EXPECT_EQ(default_copy_threads(192), 8u);
+  Side side(Options{{"shm.copy_threads", "3"}});
+  ASSERT_TRUE(side.started.ok()) << side.started.to_string();
+  EXPECT_EQ(counter(side, "copy_threads"), 3u);
+}
+
+// A KV-cache-like batch -- blocks of an odd size, scattered on the target --
+// cut into requests that end inside blocks, copied by 1, 3 and 8 threads of
+// the target: every byte lands where it belongs, both ways.
+TEST_P(ShmTransportTest, ScatteredBatchSplitOverCopyThreadsIsExact) {
+  const size_t block = 12345, blocks = 300;
+  for (const char* threads : {"1", "3", "8"}) {
+    SCOPED_TRACE(fmt::format("shm.copy_threads={}", threads));
+    std::vector<uint8_t> src = random_bytes(block * blocks), dst(block * blocks, 0);
+    std::vector<uint8_t> back(block * blocks, 0);
+    // Requests of at most 40,000 bytes: three blocks and a piece of a fourth.
+    Side a(Options{{"shm.max_request_bytes", "40000"}});
+    Side b(Options{{"shm.copy_threads", threads}, {"shm.inline_bytes", "0"}});
+    join(a, b);
+    RemoteDescriptor d = advertise(b, dst, kAccessReadWrite);
+    std::vector<Segment> out, in;
+    for (size_t i = 0; i < blocks; ++i) {
+      const uint64_t at = block * ((i * 7) % blocks);  // 7 and 300 are coprime: a permutation
+      out.push_back(seg(src.data() + block * i, block, d, at));
+      in.push_back(seg(back.data() + block * i, block, d, at));
+    }
+    auto w = std::make_shared<Transfer>(1, TransferOp::kWrite, b.id);
+    ASSERT_TRUE(a.transport.post_write(b.id, w, out).ok());
+    ASSERT_TRUE(run(w).ok()) << w->status().to_string();
+    for (size_t i = 0; i < blocks; ++i) {
+      ASSERT_EQ(0,
+                std::memcmp(dst.data() + block * ((i * 7) % blocks), src.data() + block * i, block))
+          << "block " << i;
+    }
+    auto r = std::make_shared<Transfer>(2, TransferOp::kRead, b.id);
+    ASSERT_TRUE(a.transport.post_read(b.id, r, in).ok());
+    ASSERT_TRUE(run(r).ok()) << r->status().to_string();
+    EXPECT_TRUE(back == src);
+    // 300 blocks of 12,345 bytes in requests of 40,000: 93 requests each way.
+    EXPECT_EQ(counter(b, "requests_copied"), 2u * 93u);
+    EXPECT_LE(counter(b, "peak_parallel_copies"), std::stoull(threads));
+  }
+}
+
+// Large requests are copied by several threads at once: a 64 MiB write cut
+// into 1 MiB requests, 4 copy threads. (Retried a few times: on a loaded
+// machine one thread may finish before another gets a core.)
+TEST_P(ShmTransportTest, LargeTransferIsCopiedByThreadsInParallel) {
+  const size_t n = 64 << 20;
+  std::vector<uint8_t> src = random_bytes(n), dst(n, 0);
+  Side a(Options{{"shm.max_request_bytes", "1MiB"}});
+  Side b(Options{{"shm.copy_threads", "4"}});
+  join(a, b);
+  RemoteDescriptor d = advertise(b, dst, kAccessWrite);
+  for (int attempt = 0; attempt < 5 && counter(b, "peak_parallel_copies") < 2; ++attempt) {
+    std::fill(dst.begin(), dst.end(), 0);
+    auto w = std::make_shared<Transfer>(1 + attempt, TransferOp::kWrite, b.id);
+    ASSERT_TRUE(a.transport.post_write(b.id, w, {seg(src.data(), n, d, 0)}).ok());
+    ASSERT_TRUE(run(w).ok()) << w->status().to_string();
+    ASSERT_TRUE(dst == src);
+  }
+  EXPECT_GE(counter(b, "peak_parallel_copies"), 2u);
+  EXPECT_LE(counter(b, "peak_parallel_copies"), 4u);
+}
+
+// cancel() of a large write copied by 8 threads: it returns once every
+// request already sent is answered (or given up on); a write posted after it
+// to the same bytes is never overwritten by the cancelled one's copies.
+TEST_P(ShmTransportTest, CancelOfAWriteSplitOverThreadsLeavesLaterWritesIntact) {
+  const size_t n = 64 << 20;
+  std::vector<uint8_t> old_bytes = random_bytes(n), new_bytes = random_bytes(n), dst(n, 0);
+  Side a(Options{{"shm.max_request_bytes", "1MiB"}});
+  Side b(Options{{"shm.copy_threads", "8"}});
+  join(a, b);
+  RemoteDescriptor d = advertise(b, dst, kAccessWrite);
+  for (int round = 0; round < 3; ++round) {
+    auto w = std::make_shared<Transfer>(10 * round + 1, TransferOp::kWrite, b.id);
+    ASSERT_TRUE(a.transport.post_write(b.id, w, {seg(old_bytes.data(), n, d, 0)}).ok());
+    std::this_thread::sleep_for(std::chrono::microseconds(300 * round));
+    a.transport.cancel(*w);
+    ASSERT_TRUE(a.transport.is_connected(b.id));
+    auto w2 = std::make_shared<Transfer>(10 * round + 2, TransferOp::kWrite, b.id);
+    ASSERT_TRUE(a.transport.post_write(b.id, w2, {seg(new_bytes.data(), n, d, 0)}).ok());
+    ASSERT_TRUE(run(w2).ok()) << w2->status().to_string();
+    std::this_thread::sleep_for(20ms);  // any straggler of the cancelled write would land now
+    ASSERT_TRUE(dst == new_bytes) << "round " << round;
+  }
+}
+
 TEST_F(ShmStagingTest, ChoiceIsReportedOnBothSides) {
   Side a(Options{{"shm.mode", "staging"}});
   Side b;  // auto: follows the peer's setting

@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -45,7 +46,10 @@ const OptionSpec kShmOptionSpecs[] = {
      "copy thread); larger ones by the copy threads, in parallel",
      0, 1ull << 30},
     {"shm.copy_threads", OptionType::kUint, "0",
-     "threads that check and copy the requests of peers (0: one per CPU, at most 4)", 0, 64},
+     "threads of the target that check and copy the requests of peers, in parallel: the most "
+     "cores a large transfer into or out of this process keeps busy (0: by the CPUs this "
+     "process may use: all of them up to 4, half of them up to 8)",
+     0, 64},
     {"shm.cancel_timeout_ms", OptionType::kDurationMs, "250",
      "cancel() waits this long for the peer to answer requests already sent (the peer does the "
      "copy); then the connection is shut down",
@@ -76,6 +80,15 @@ constexpr auto kHandshakeCheck = std::chrono::milliseconds(100);
 
 std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
+}
+
+// CPUs this process may run on.
+uint32_t usable_cpus() {
+  cpu_set_t set;
+  long cpus = 0;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) cpus = CPU_COUNT(&set);
+  if (cpus <= 0) cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  return static_cast<uint32_t>(std::max<long>(cpus, 1));
 }
 
 int ms_left(Clock::time_point deadline) {
@@ -287,6 +300,16 @@ TransportCaps ShmTransport::capabilities() const {
   return caps;
 }
 
+// Up to 4 CPUs all of them (the copies of a large transfer share the cores
+// with the initiator anyway); above that half of them up to 8, about where
+// one socket's memory system, not the cores, sets the rate of
+// process_vm_readv/writev, and the other half is left to the application.
+// Threads without work sleep.
+uint32_t default_copy_threads(uint32_t cpus) {
+  if (cpus <= 4) return std::max<uint32_t>(cpus, 1);
+  return std::clamp<uint32_t>(cpus / 2, 4, 8);
+}
+
 Status ShmTransport::read_options() {
   const OptionSet& o = *ctx_.options;
   opt_.socket_dir = o.get_string("shm.socket_dir");
@@ -300,9 +323,7 @@ Status ShmTransport::read_options() {
   opt_.max_request_segments = static_cast<uint32_t>(o.get_uint("shm.max_request_segments"));
   opt_.max_request_bytes = o.get_uint("shm.max_request_bytes");
   opt_.copy_threads = static_cast<uint32_t>(o.get_uint("shm.copy_threads"));
-  if (opt_.copy_threads == 0) {
-    opt_.copy_threads = std::clamp(std::thread::hardware_concurrency(), 1u, 4u);
-  }
+  if (opt_.copy_threads == 0) opt_.copy_threads = default_copy_threads(usable_cpus());
   opt_.cancel_timeout = std::chrono::milliseconds(o.get_uint("shm.cancel_timeout_ms"));
   opt_.inline_bytes = o.get_uint("shm.inline_bytes");
   opt_.send_timeout = std::chrono::milliseconds(o.get_uint("shm.send_timeout_ms"));
@@ -1373,6 +1394,29 @@ bool initiator_still_there(const Connection& c) {
 }
 }  // namespace
 
+// Counts the copies under way while it lives, and the most seen at once.
+class CopyInFlight {
+ public:
+  CopyInFlight(std::atomic<uint32_t>& now, std::atomic<uint32_t>& peak) : now_(now) {
+    const uint32_t n = now_.fetch_add(1, std::memory_order_relaxed) + 1;
+    uint32_t seen = peak.load(std::memory_order_relaxed);
+    while (n > seen && !peak.compare_exchange_weak(seen, n, std::memory_order_relaxed)) {
+    }
+  }
+  ~CopyInFlight() { now_.fetch_sub(1, std::memory_order_relaxed); }
+  CopyInFlight(const CopyInFlight&) = delete;
+  CopyInFlight& operator=(const CopyInFlight&) = delete;
+
+ private:
+  std::atomic<uint32_t>& now_;
+};
+
+std::vector<std::pair<std::string, uint64_t>> ShmTransport::counters() const {
+  return {{"copy_threads", opt_.copy_threads},
+          {"requests_copied", requests_copied_.load(std::memory_order_relaxed)},
+          {"peak_parallel_copies", peak_parallel_copies_.load(std::memory_order_relaxed)}};
+}
+
 std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
   // The initiator is gone, or we gave up on it (cancel timeout, protocol
   // error), or it gave up on us: copy nothing more into or out of its memory.
@@ -1396,6 +1440,11 @@ std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
         break;
       }
     }
+  }
+  std::optional<CopyInFlight> copying;
+  if (verdict.ok() && !pieces.empty()) {
+    requests_copied_.fetch_add(1, std::memory_order_relaxed);
+    copying.emplace(copies_in_flight_, peak_parallel_copies_);
   }
   if (verdict.ok() && !pieces.empty() && request.staged) {
     // Between the region and the peer's area, both mapped here: nothing can
@@ -1441,6 +1490,7 @@ std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
                                              seg.remote.offset, moved, s.message()));
     }
   }
+  copying.reset();
   pins.clear();  // deregistration need not wait for the notification and answer
   if (verdict.ok() && request.has_notification) {
     ctx_.events->on_notification(c.peer, std::move(request.notification));

@@ -28,6 +28,11 @@
 // Threads: one epoll I/O thread reads every connection (it never blocks on a
 // send, so both ends always drain their sockets and blocking sends cannot
 // deadlock); shm.copy_threads workers validate, copy, notify and answer.
+// A large transfer is cut into requests of at most shm.max_request_bytes
+// (4 MiB), which the workers take from one queue: so one transfer is copied
+// by up to shm.copy_threads cores at once, each request still checked whole
+// before any of its bytes move. Small requests (shm.inline_bytes) are served
+// by the I/O thread itself.
 // Initiators (application threads) send requests under the connection's
 // send mutex.
 #pragma once
@@ -70,6 +75,9 @@ struct ShmOptions {
   Mode mode = Mode::kAuto;
   uint64_t staging_bytes = 32 << 20;
 };
+
+// shm.copy_threads=0: the copy threads for a process that may use `cpus` CPUs.
+uint32_t default_copy_threads(uint32_t cpus);
 
 constexpr uint64_t kNoRange = ~uint64_t{0};
 
@@ -191,6 +199,9 @@ class ShmTransport final : public Transport {
   Status post_notification(PeerId peer, const std::shared_ptr<Transfer>& transfer,
                            Bytes payload) override;
   void cancel(Transfer& transfer) override;
+  // copy_threads, requests_copied (requests whose bytes moved), and
+  // peak_parallel_copies (the most requests copied at once).
+  std::vector<std::pair<std::string, uint64_t>> counters() const override;
   // Nothing to do: a copy holds its pins only for one process_vm_* batch of
   // at most shm.max_request_bytes (no peer can stall it), and every request
   // checks Region::revoked before it copies.
@@ -320,6 +331,11 @@ class ShmTransport final : public Transport {
   std::unordered_map<PeerId, std::string> lost_;   // why a peer went down
   std::mutex connect_mu_;
   std::atomic<uint64_t> next_request_id_{1};
+
+  // counters()
+  std::atomic<uint64_t> requests_copied_{0};
+  std::atomic<uint32_t> copies_in_flight_{0};
+  std::atomic<uint32_t> peak_parallel_copies_{0};
 };
 
 }  // namespace ferry::shm
