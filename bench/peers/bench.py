@@ -24,6 +24,10 @@ ROOT = HERE.parent.parent
 ENGINES = {
     "Ferry": ("ferry", {}),
     "Ferry tcp": ("ferry", {"FERRY_ENGINE_TRANSPORTS": "tcp"}),
+    # tcp striped over 8 streams served by 8 I/O threads a side (the default: one stream
+    # and thread per 4 CPUs, 2 to 4 streams)
+    "Ferry tcp 8 streams": ("ferry", {"FERRY_ENGINE_TRANSPORTS": "tcp", "FERRY_TCP_STREAMS": "8",
+                                      "FERRY_TCP_IO_THREADS": "8"}),
     # shm with a fixed budget of copy threads on the target (the default follows the CPUs)
     "Ferry 1 copy thread": ("ferry", {"FERRY_SHM_COPY_THREADS": "1"}),
     "Ferry 4 copy threads": ("ferry", {"FERRY_SHM_COPY_THREADS": "4"}),
@@ -41,7 +45,7 @@ ENGINES = {
     "memcpy": ("memcpy", {}),  # one process: the same bytes copied by numpy
 }
 # Run unless --engines names others (the copy-thread variants are asked for).
-DEFAULT_ENGINES = [n for n in ENGINES if "copy thread" not in n]
+DEFAULT_ENGINES = [n for n in ENGINES if "copy thread" not in n and "8 streams" not in n]
 # Quiet logs for every engine (Mooncake logs each completed batch at INFO).
 QUIET = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "warn"}
 # name, block bytes, iovs per call
@@ -50,7 +54,7 @@ WORKLOADS = [("4KiB x 64", 4096, 64), ("64KiB x 8", 65536, 8), ("1MiB x 8", 1 <<
 RATIOS = [("Ferry", "NIXL"), ("Ferry", "NIXL progthread"), ("Ferry", "Mooncake"),
           ("Ferry", "Ferry 4 copy threads"), ("Ferry 1 copy thread", "NIXL"),
           ("Ferry tcp", "NIXL tcp"), ("Ferry tcp", "NIXL tcp progthread"), ("Ferry tcp", "iperf3"),
-          ("Ferry tcp", "Mooncake"), ("Ferry staging", "NIXL"), ("Ferry", "memcpy")]
+          ("Ferry tcp", "Mooncake"), ("Ferry tcp 8 streams", "NIXL tcp"), ("Ferry tcp 8 streams", "iperf3"), ("Ferry staging", "NIXL"), ("Ferry", "memcpy")]
 
 
 def call_driver(name, args, extra, timeout):

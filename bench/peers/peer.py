@@ -254,7 +254,8 @@ def memcpy_run(block, batch, depth, secs, warmup, ops):
 
 
 def iperf3_run(block, secs, warmup, ops, probe=False):
-    """One TCP stream on loopback, iperf3 writing BLOCK bytes per send: the kernel's
+    """One TCP stream on loopback, iperf3 writing BLOCK bytes per send (at most 1 MiB,
+    iperf3's largest): the kernel's
     single-stream limit beside tcp. Its own server on a free port; write: client
     to server, read: -R (server to client). GB/s: bytes received after the first
     `warmup` seconds (--omit) over the timed seconds."""
@@ -276,13 +277,17 @@ def iperf3_run(block, secs, warmup, ops, probe=False):
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             time.sleep(0.2)  # the server listens within a few ms; the client retries below
-            cmd = [exe, "-c", "127.0.0.1", "-p", str(port), "-l", str(block), "-J",
+            # iperf3 sends at most 1 MiB per write (its MAX_BLOCKSIZE): larger blocks as 1 MiB.
+            cmd = [exe, "-c", "127.0.0.1", "-p", str(port), "-l", str(min(block, 1 << 20)), "-J",
                    "-t", str(max(1, round(secs))), "-O", str(max(0, round(warmup + 0.49)))]
             if op == "read":
                 cmd.append("-R")
             for _ in range(5):
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + secs + warmup)
-                res = json.loads(p.stdout or "{}")
+                try:
+                    res = json.loads(p.stdout or "{}")
+                except json.JSONDecodeError:
+                    raise RuntimeError(f"iperf3 exit {p.returncode}: {p.stdout[-200:]} {p.stderr[-200:]}")
                 if "unable to connect" not in res.get("error", ""):
                     break
                 time.sleep(0.2)
