@@ -81,6 +81,7 @@ struct Workload {
 struct Opts {
   std::string role;
   bool spawn_local = false;
+  std::string connect_by = "metadata";  // or "address"
   std::string listen = "127.0.0.1:0";
   std::string peer;
   std::string info_file;
@@ -363,6 +364,7 @@ int run_target(const Opts& o) {
 struct PeerInfo {
   ferry::Bytes metadata;
   ferry::RemoteDescriptor desc;
+  std::string listen;  // the target's tcp address (its ready line's listen=)
   long rss_idle_kib = -1;
   long rss_registered_kib = -1;
   int pid = -1;
@@ -378,6 +380,7 @@ std::optional<PeerInfo> parse_peer_line(const std::string& text) {
     else if (tok.rfind("rss_idle_kib=", 0) == 0) info.rss_idle_kib = std::atol(tok.c_str() + 13);
     else if (tok.rfind("rss_registered_kib=", 0) == 0) info.rss_registered_kib = std::atol(tok.c_str() + 19);
     else if (tok.rfind("pid=", 0) == 0) info.pid = std::atoi(tok.c_str() + 4);
+    else if (tok.rfind("listen=", 0) == 0) info.listen = tok.substr(7);
     else if (pair.empty() && tok.find(':') != std::string::npos && tok != kReadyTag) pair = tok;
   }
   auto colon = pair.find(':');
@@ -924,7 +927,12 @@ int run_initiator(const Opts& o) {
   if (streams_effective.empty() && o.streams > 0) streams_effective = std::to_string(o.streams);
   if (streams_effective == "0") streams_effective = "auto";
 
-  auto peer_id = engine->connect(peer.metadata);
+  // --connect-by address: only the target's host:port, as a user who knows a peer by
+  // address (the tcp handshake brings its metadata).
+  if (o.connect_by == "address" && peer.listen.empty())
+    die(1, "--connect-by address: the target's ready line has no listen= address");
+  auto peer_id = o.connect_by == "address" ? engine->connect(std::string_view(peer.listen))
+                                           : engine->connect(peer.metadata);
   if (!peer_id.ok()) die(1, "connect to target: " + status_str(peer_id.status()));
 
   Buffer local(need);
@@ -970,6 +978,10 @@ int main(int argc, char** argv) {
   app.option_defaults()->always_capture_default();
   app.add_option("--role", o.role, "target or initiator")->check(CLI::IsMember({"target", "initiator"}));
   app.add_flag("--spawn-local", o.spawn_local, "start a target child on loopback and run the initiator against it");
+  app.add_option("--connect-by", o.connect_by,
+                 "initiator: connect with the target's metadata, or by its host:port alone "
+                 "(the tcp handshake carries the metadata)")
+      ->check(CLI::IsMember({"metadata", "address"}));
   app.add_option("--listen", o.listen, "address this engine listens on");
   app.add_option("--peer", o.peer, "initiator: the target's ready line 'peer=META:DESC', or a file holding it");
   app.add_option("--info-file", o.info_file, "target: also write the ready line to this file");

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "core/host_identity.h"
@@ -122,6 +123,13 @@ class Engine::Impl {
     ctx.listen = config.listen;
     ctx.registry = &registry_;
     ctx.options = &options_;
+    // tcp's handshake carries both engines' metadata (connect by address).
+    ctx.local_metadata = [this] {
+      return metadata_ready_.load(std::memory_order_acquire) ? metadata_ : Bytes{};
+    };
+    ctx.peer_metadata = [this](PeerId peer, ByteView bytes) {
+      return keep_handshake_metadata(peer, bytes);
+    };
     Status s = transports_.start(
         options_.get_string("engine.transports"), ctx,
         [this](std::string_view name) { return std::make_unique<TaggedEvents>(*this, name); });
@@ -130,7 +138,47 @@ class Engine::Impl {
       spdlog::info("ferry: engine {} transport {}: {}", hex_id(id_), t.name,
                    t.running ? "running at " + t.detail : "not running: " + t.detail);
     }
+    metadata_ = build_metadata().encode();
+    metadata_ready_.store(true, std::memory_order_release);
     return Status::Ok();
+  }
+
+  EngineMetadata build_metadata() const {
+    EngineMetadata m;
+    m.engine_id = id_;
+    m.protocol_version = kProtocolVersion;
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    m.hostname = host;
+    m.host_id = host_id_;
+    for (const auto& t : transports_.running()) {
+      m.transports.push_back({t.name, t.transport->local_address()});
+    }
+    return m;
+  }
+
+  // Metadata a peer sent in the tcp handshake: checked exactly as metadata
+  // passed to connect() (check_peer_metadata), and it must name the engine
+  // that sent it. Kept for connect(host:port), which then connects every
+  // transport it lists (connect_listed).
+  Status keep_handshake_metadata(PeerId peer, ByteView bytes) {
+    auto m = decode_peer_metadata(bytes);
+    if (!m.ok()) return m.status();
+    if (m->engine_id != peer) {
+      return err::InvalidArgument(
+          fmt::format("it names engine {}, but the handshake comes from engine {}",
+                      hex_id(m->engine_id), hex_id(peer)));
+    }
+    std::lock_guard lock(peers_mu_);
+    handshake_metadata_[peer] = std::move(m.value());
+    return Status::Ok();
+  }
+
+  std::optional<EngineMetadata> handshake_metadata(PeerId peer) {
+    std::lock_guard lock(peers_mu_);
+    auto it = handshake_metadata_.find(peer);
+    if (it == handshake_metadata_.end()) return std::nullopt;
+    return it->second;
   }
 
   // Opens the directory and claims our name in it (after init: the metadata
@@ -441,6 +489,9 @@ class Engine::Impl {
   std::chrono::microseconds wait_spin_{0};
   bool merge_iovs_ = true;
   std::set<PeerId> known_;
+  std::map<PeerId, EngineMetadata> handshake_metadata_;  // under peers_mu_
+  Bytes metadata_;  // ours, written once before metadata_ready_
+  std::atomic<bool> metadata_ready_{false};
   std::mutex notify_mu_;
   std::condition_variable notify_cv_;
   std::deque<Notification> notifications_;
@@ -474,17 +525,7 @@ uint64_t Engine::id() const {
 }
 
 Bytes Engine::metadata() const {
-  EngineMetadata m;
-  m.engine_id = impl_->id_;
-  m.protocol_version = kProtocolVersion;
-  char host[256] = {};
-  gethostname(host, sizeof host - 1);
-  m.hostname = host;
-  m.host_id = impl_->host_id_;
-  for (const auto& t : impl_->transports_.running()) {
-    m.transports.push_back({t.name, t.transport->local_address()});
-  }
-  return m.encode();
+  return impl_->build_metadata().encode();
 }
 
 std::string Engine::listen_address() const {
@@ -503,13 +544,8 @@ std::vector<OptionInfo> Engine::options() const {
 }
 
 Result<PeerId> Engine::connect(ByteView metadata) {
-  auto m = EngineMetadata::decode(metadata);
+  auto m = decode_peer_metadata(metadata);
   if (!m.ok()) return m.status();
-  if (m->protocol_version != kProtocolVersion) {
-    return err::ProtocolError(
-        fmt::format("protocol version mismatch: engine {} on {} speaks {}, this engine speaks {}",
-                    hex_id(m->engine_id), m->hostname, m->protocol_version, kProtocolVersion));
-  }
   return impl_->connect(*m);
 }
 
@@ -528,13 +564,18 @@ Result<PeerId> Engine::connect(std::string_view host_port, std::chrono::millisec
   auto peer = network->connect(
       ByteView(reinterpret_cast<const uint8_t*>(host_port.data()), host_port.size()), 0);
   if (!peer.ok()) return peer;
+  // The handshake brought the peer's metadata (checked as connect(metadata)
+  // checks it): every other transport the two engines share connects now,
+  // as connect(metadata) would have.
+  if (auto m = impl_->handshake_metadata(*peer)) return impl_->connect(*m);
   for (const auto& t : impl_->transports_.running()) {
-    if (t.caps.same_host_only && !t.transport->is_connected(*peer)) {
+    if (!t.transport->is_connected(*peer)) {
       impl_->transports_.note_unused(
           *peer, t.name,
-          fmt::format("connected by host:port ({}), which says nothing of the peer's host: "
-                      "connect with its metadata to use same-host transports",
-                      host_port));
+          fmt::format("connected by host:port ({}) to an engine whose tcp handshake carries no "
+                      "metadata (handshake revision 1: an engine from before revision 2, or "
+                      "tcp.handshake_revision=1): connect with its metadata to use {}",
+                      host_port, t.name));
     }
   }
   return peer;

@@ -2,6 +2,7 @@
 
 #include "core/byte_codec.h"
 #include "core/crc32.h"
+#include "core/version.h"
 #include "fmt/format.h"
 
 namespace ferry {
@@ -100,6 +101,17 @@ const TransportAddress* EngineMetadata::find(std::string_view transport) const {
     if (t.transport == transport) return &t;
   }
   return nullptr;
+}
+
+Result<EngineMetadata> decode_peer_metadata(ByteView bytes) {
+  auto m = EngineMetadata::decode(bytes);
+  if (!m.ok()) return m.status();
+  if (m->protocol_version != kProtocolVersion) {
+    return err::ProtocolError(fmt::format(
+        "protocol version mismatch: engine {:016x} on {} speaks {}, this engine speaks {}",
+        m->engine_id, m->hostname, m->protocol_version, kProtocolVersion));
+  }
+  return m;
 }
 
 }  // namespace ferry

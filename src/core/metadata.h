@@ -37,4 +37,9 @@ struct EngineMetadata {
   const TransportAddress* find(std::string_view transport) const;
 };
 
+// Peer metadata as every connect path takes it -- Engine::connect(metadata)
+// and the metadata a tcp handshake carries: decoded (EngineMetadata::decode's
+// checks) and of this build's protocol version (ProtocolError naming both).
+Result<EngineMetadata> decode_peer_metadata(ByteView bytes);
+
 }  // namespace ferry

@@ -8,6 +8,7 @@
 // ignored). Transports own their I/O threads; they never call user code.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -47,6 +48,15 @@ struct TransportContext {
   RegionRegistry* registry = nullptr;
   TransportEvents* events = nullptr;
   const OptionSet* options = nullptr;
+  // For a handshake that carries engine metadata (tcp's, so that connect by
+  // address reaches every transport). Either may be empty (tests, tools).
+  // The engine's metadata; empty while the engine is still starting.
+  std::function<Bytes()> local_metadata;
+  // A peer that says it is engine `peer` sent this metadata: the engine
+  // checks it as it checks metadata passed to connect() (and that it names
+  // `peer`) and keeps it; non-Ok refuses the connection with that reason.
+  // Any thread; takes no transport's locks.
+  std::function<Status(PeerId peer, ByteView metadata)> peer_metadata;
 };
 
 struct TransportCaps {

@@ -10,10 +10,14 @@
 //   sum NAME OFF LEN                FNV-1a of registered bytes [OFF, +LEN) → "sum N"
 //   dereg NAME                      → "ok MILLISECONDS" (how long deregistration took)
 //   notif TIMEOUT_MS                first notification → "notif PAYLOAD" or "none"
+//   listen                          → "listen HOST:PORT" (where its tcp listens)
+//   carrier PEER_HEX ROUTE          which transport carries ROUTE ("peer GPU memory",
+//                                   ...; spaces as '_') to that peer → "carrier NAME"
 //   exit
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -228,6 +232,20 @@ int main() {
       } else {
         std::printf("notif %s\n", std::string(n[0].payload.begin(), n[0].payload.end()).c_str());
       }
+    } else if (cmd == "listen") {
+      std::printf("listen %s\n", e.listen_address().c_str());
+    } else if (cmd == "carrier") {
+      std::string route;
+      in >> route;
+      std::replace(route.begin(), route.end(), '_', ' ');
+      auto info = e.peer_transports(std::stoull(name, nullptr, 16));
+      std::string carrier = "none";
+      if (info.ok()) {
+        for (const auto& t : *info) {
+          if (t.carries.find(route) != std::string::npos) carrier = t.transport;
+        }
+      }
+      std::printf("carrier %s\n", carrier.c_str());
     } else if (cmd == "exit") {
       break;
     } else {

@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 
 #include <chrono>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -184,6 +185,35 @@ TEST_F(CudaIpc, ChosenForPeerGpuMemory) {
 }
 
 // ---- local GPU memory with the target's host memory: the target copies ----
+
+TEST_F(CudaIpc, ConnectByAddressCarriesGpuMemoryByCudaIpc) {
+  // A fresh engine that knows the target only by host:port: the tcp
+  // handshake brings the target's metadata, so cuda_ipc connects as it does
+  // with metadata passed by hand -- GPU memory never crosses loopback tcp.
+  const std::string listen = target_.ask("listen");
+  ASSERT_EQ(listen.rfind("listen ", 0), 0u) << listen;
+  engine_.reset();
+  auto e = Engine::create();
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  engine_ = std::move(e.value());
+  for (void* p : {gpu_, pinned_, static_cast<void*>(pageable_.data())}) {
+    auto r = engine_->register_memory(p, kLocalSize);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+  }
+  auto peer = engine_->connect(std::string_view(listen.substr(7)));
+  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  peer_ = *peer;
+  EXPECT_EQ(carrier(), "cuda_ipc");
+  EXPECT_EQ(carrier("local GPU with peer host memory"), "cuda_ipc");
+  const auto dev = alloc("dev", "malloc", 16u << 20);
+  write_read("gpu", "dev", dev, 4096, 64, 61);
+  write_read("gpu", "dev", dev, (4u << 20) + 3, 2, 62, 0);
+  write_read("pinned", "dev", dev, 65536, 16, 63);
+  // The accepting side initiates over cuda_ipc too: its GPU memory into ours.
+  char me[17];
+  std::snprintf(me, sizeof me, "%016llx", static_cast<unsigned long long>(engine_->id()));
+  EXPECT_EQ(target_.ask(std::string("carrier ") + me + " peer_GPU_memory"), "carrier cuda_ipc");
+}
 
 TEST_F(CudaIpc, ChosenForLocalGpuWithPeerHostMemory) {
   EXPECT_EQ(carrier("local GPU with peer host memory"), "cuda_ipc");

@@ -43,6 +43,7 @@ class LocalBuffer {
   }
   uint8_t* data() const { return buf_.data(); }
   size_t size() const { return buf_.size(); }
+  RegionId region() const { return region_; }
 
  private:
   Engine& engine_;
@@ -84,8 +85,8 @@ inline bool MentionsNumber(const std::string& text, uint64_t n) {
 // The message names region `id` ("region 7", "region=7", ...).
 inline ::testing::AssertionResult NamesRegion(const Status& s, RegionId id) {
   if (MentionsAfter(s.message(), "region", 3, id)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "message does not name region " << id << ": "
-                                       << s.to_string();
+  return ::testing::AssertionFailure()
+         << "message does not name region " << id << ": " << s.to_string();
 }
 
 inline ::testing::AssertionResult NamesNumber(const Status& s, uint64_t n) {
@@ -108,6 +109,8 @@ inline Status PollUntilDone(Engine& e, TransferId id, std::chrono::milliseconds 
   }
 }
 
-inline std::string Describe(const Status& s) { return s.to_string(); }
+inline std::string Describe(const Status& s) {
+  return s.to_string();
+}
 
 }  // namespace ferry::itest

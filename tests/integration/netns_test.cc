@@ -208,6 +208,42 @@ TEST_F(CrossNamespace, WildcardListenAdvertisesAReachableAddress) {
             "OK " + Hex64(PatternHash(1, 0, 65536)));
 }
 
+TEST_F(CrossNamespace, ConnectByAddressAcrossVethGetsTheNetwork) {
+  // Known only by host:port across the link: the handshake brings the
+  // target's metadata, its host id says another host, so host memory goes
+  // over the network (tcp, or fabric where it runs) and shm says why not --
+  // both ways, the target initiating over the same connection.
+  auto target = StartPeer({.size = 16 << 20,
+                           .seed = 1,
+                           .listen = NetnsPair::Address(0) + ":0",
+                           .engine_options = {"engine.host_id=host-a"},
+                           .wrapper = net_.Wrapper(0)});
+  auto initiator = StartPeer({.size = 16 << 20,
+                              .seed = 2,
+                              .listen = NetnsPair::Address(1) + ":0",
+                              .engine_options = {"engine.host_id=host-b"},
+                              .wrapper = net_.Wrapper(1)});
+  ASSERT_TRUE(target && initiator);
+  const std::string tid = Hex64(target->engine_id);
+  const std::string iid = Hex64(initiator->engine_id);
+  ASSERT_EQ(initiator->Command("connect_hp " + target->listen), "OK " + tid);
+  const std::string carriers = initiator->Command("carriers " + tid);
+  EXPECT_TRUE(carriers.rfind("OK tcp ", 0) == 0 || carriers.rfind("OK fabric ", 0) == 0)
+      << carriers;
+  EXPECT_NE(carriers.find("is_on_another_host"), std::string::npos) << carriers;
+  const std::string back = target->Command("carriers " + iid);
+  EXPECT_TRUE(back.rfind("OK tcp ", 0) == 0 || back.rfind("OK fabric ", 0) == 0) << back;
+  const uint64_t off = 333, len = (8 << 20) + 1;
+  ASSERT_EQ(initiator->Command("write " + tid + " " + ToHex(target->rw.to_bytes()) + " " +
+                               std::to_string(off) + " " + std::to_string(len) + " 7"),
+            "OK");
+  EXPECT_EQ(target->Checksum(off, len), PatternHash(7, off, len));
+  ASSERT_EQ(
+      target->Command("write " + iid + " " + ToHex(initiator->rw.to_bytes()) + " 0 1000000 8"),
+      "OK");
+  EXPECT_EQ(initiator->Checksum(0, 1000000), PatternHash(8, 0, 1000000));
+}
+
 TEST_F(CrossNamespace, OneKernelMayUseTheSameHostPath) {
   // Same boot id, shared /tmp: the namespaces are one host to Ferry, and the
   // shm transport (when it runs here) carries host memory between them.

@@ -237,21 +237,6 @@ TEST_F(SameHost, ForcingTcpRunsTcpAlone) {
   ASSERT_NO_FATAL_FAILURE(WriteReadScattered(64, 4096, 22));
 }
 
-TEST_F(SameHost, ConnectByHostPortSaysWhyShmIsNotUsed) {
-  peer_ = StartPeer({.size = 1 << 20, .seed = 3});
-  ASSERT_TRUE(peer_);
-  engine_ = MakeEngine();
-  ASSERT_TRUE(engine_);
-  auto p = engine_->connect(std::string_view(peer_->listen));
-  ASSERT_TRUE(p.ok()) << p.status().to_string();
-  auto routes = engine_->peer_transports(*p);
-  ASSERT_TRUE(routes.ok()) << routes.status().to_string();
-  const auto* shm = Find(*routes, "shm");
-  ASSERT_TRUE(shm) << Describe(*routes);
-  EXPECT_FALSE(shm->connected);
-  EXPECT_NE(shm->reason.find("metadata"), std::string::npos) << Describe(*routes);
-}
-
 TEST(SameHostConfig, UnknownOrUnusableSelectionsAreErrors) {
   EngineConfig c;
   c.options = {{"engine.transports", "tcp,warp"}};

@@ -925,6 +925,9 @@ void TcpTransport::receive_pass(Stream& s) {
       case Stream::Rx::kHello:
         more = rx_hello(s);
         break;
+      case Stream::Rx::kHelloMetadata:
+        more = rx_hello_metadata(s);
+        break;
       case Stream::Rx::kHeader:
         more = rx_header(s);
         break;

@@ -1,5 +1,6 @@
-// tcp transport: lifecycle, workers, connection set-up and failure handling.
-// The data path (frames, sending, receiving) is in tcp_datapath.cc.
+// tcp transport: lifecycle, workers and failure handling. Connection set-up
+// (the handshake) is in tcp_connection.cc, the data path (frames, sending,
+// receiving) in tcp_datapath.cc.
 #include "transport/tcp/tcp_transport.h"
 
 #include <sched.h>
@@ -63,6 +64,12 @@ const OptionSpec kTcpOptionSpecs[] = {
      "once idle for tens of microseconds, on each side of a round trip. auto: 500 where the "
      "process may use 8 CPUs or more, else 0 (never spin: the threads would take the cores "
      "the other side needs)"},
+    {"tcp.handshake_revision", OptionType::kUint, "2",
+     "highest handshake revision this engine offers and accepts: 2 carries both engines' "
+     "metadata on a connection's first stream, so that connect by host:port reaches every "
+     "transport the two engines share; 1 is the handshake of engines before it, for trying "
+     "mixed versions (docs/protocol.md)",
+     kHandshakeRevisionPlain, kHandshakeRevision},
     {"tcp.trace", OptionType::kBool, "false",
      "stage trace of every transfer this engine initiates (posted, staging copies, frames "
      "sent, the target's stages, response, completed; docs/trace.md); off costs one branch"},
@@ -153,7 +160,7 @@ void Worker::stop() {
 
 void Worker::adopt(const std::shared_ptr<Stream>& stream) {
   stream->worker = this;
-  const bool handshaking = stream->rx == Stream::Rx::kHello;
+  const bool handshaking = stream->handshaking();
   {
     std::lock_guard lock(mu_);
     streams_[stream.get()] = stream;
@@ -325,7 +332,7 @@ void Worker::expire_handshakes() {
   {
     std::lock_guard lock(mu_);
     for (auto& [raw, s] : streams_) {
-      if (s->closed || s->rx != Stream::Rx::kHello) continue;
+      if (s->closed || !s->handshaking()) continue;
       if (now >= s->hello_deadline) {
         expired.push_back(s);
       } else {
@@ -368,6 +375,7 @@ Status TcpTransport::start(const TransportContext& context) {
   opt_.gpu_inline_bytes = o.get_uint("tcp.gpu_inline_bytes");
   opt_.gpu_inline_wait = std::chrono::microseconds(o.get_uint("tcp.gpu_inline_wait_us"));
   opt_.gpu_min_stripe = o.get_uint("tcp.gpu_min_stripe_bytes");
+  opt_.handshake_revision = static_cast<uint16_t>(o.get_uint("tcp.handshake_revision"));
   opt_.trace = o.get_bool("tcp.trace");
   opt_.trace_keep = o.get_uint("tcp.trace_keep");
   if (opt_.trace) trace_log_ = trace_log_for(ctx_.engine_id, opt_.trace_keep);
@@ -472,236 +480,6 @@ std::string TcpTransport::peer_name(const Stream& s) const {
   auto g = s.group.lock();
   return g ? fmt::format("peer {} at {}", hex_id(g->peer), s.remote)
            : fmt::format("connection from {}", s.remote);
-}
-
-// --------------------------------------------------------------- connect ---
-
-Result<PeerId> TcpTransport::connect(ByteView peer_address, PeerId expected_peer) {
-  const std::string text(peer_address.begin(), peer_address.end());
-  if (text.empty()) return err::InvalidArgument("peer has no tcp address");
-  std::lock_guard serial(connect_mu_);
-  if (expected_peer != 0 && is_connected(expected_peer)) return expected_peer;
-  Status last;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t comma = text.find(',', start);
-    if (comma == std::string::npos) comma = text.size();
-    const std::string one = text.substr(start, comma - start);
-    start = comma + 1;
-    auto resolved = resolve(one);
-    if (!resolved.ok()) {
-      last = resolved.status();
-      continue;
-    }
-    for (const auto& address : *resolved) {
-      auto group = open_group(address, expected_peer);
-      if (group.ok()) return (*group)->peer;
-      last = group.status();
-      // A refusal by a live Ferry engine (version, identity) is final.
-      if (last.code() == StatusCode::kProtocolError ||
-          last.code() == StatusCode::kInvalidArgument) {
-        return last;
-      }
-    }
-  }
-  return last;
-}
-
-Result<std::shared_ptr<Group>> TcpTransport::open_group(const SocketAddress& address,
-                                                        PeerId expected_peer) {
-  auto group = std::make_shared<Group>();
-  group->outgoing = true;
-  group->remote = address.to_string();
-  if (Status s = random_bytes(&group->nonce, sizeof group->nonce); !s.ok()) return s;
-  std::vector<int> fds;
-  auto close_all = [&] {
-    for (int fd : fds) ::close(fd);
-  };
-  for (uint32_t i = 0; i < opt_.streams; ++i) {
-    auto fd = connect_to(address, opt_.connect_timeout);
-    if (!fd.ok()) {
-      close_all();
-      return fd.status();
-    }
-    fds.push_back(*fd);
-    tune_stream_socket(*fd, opt_.user_timeout, opt_.sndbuf, opt_.rcvbuf);
-    Hello hello{kHelloMagic,
-                kProtocolVersion,
-                static_cast<uint16_t>(i),
-                ctx_.engine_id,
-                group->nonce,
-                static_cast<uint16_t>(opt_.streams),
-                0,
-                0};
-    HelloReply reply{};
-    Status s = send_all(*fd, &hello, sizeof hello, opt_.connect_timeout);
-    if (s.ok()) s = recv_all(*fd, &reply, sizeof reply, opt_.connect_timeout);
-    if (!s.ok()) {
-      close_all();
-      return err::PeerDisconnected(
-          fmt::format("handshake with {} failed: {}", group->remote, s.message()));
-    }
-    if (reply.magic != kHelloMagic) {
-      close_all();
-      return err::ProtocolError(fmt::format(
-          "{} is not a Ferry engine (handshake reply magic {:#010x})", group->remote, reply.magic));
-    }
-    if (reply.status != 0) {
-      std::string message(std::min(reply.message_bytes, kMaxHelloMessage), '\0');
-      (void)recv_all(*fd, message.data(), message.size(), opt_.connect_timeout);
-      close_all();
-      const auto code = reply.status <= static_cast<uint16_t>(StatusCode::kInternal)
-                            ? static_cast<StatusCode>(reply.status)
-                            : StatusCode::kProtocolError;
-      return Status(code, fmt::format("{} refused the connection: {}", group->remote, message));
-    }
-    if (reply.protocol_version != kProtocolVersion) {
-      close_all();
-      return err::ProtocolError(
-          fmt::format("protocol version mismatch with {}: peer speaks {}, this engine speaks {}",
-                      group->remote, reply.protocol_version, kProtocolVersion));
-    }
-    if (expected_peer != 0 && reply.engine_id != expected_peer) {
-      close_all();
-      return err::InvalidArgument(fmt::format("{} is engine {}, but the metadata names engine {}",
-                                              group->remote, hex_id(reply.engine_id),
-                                              hex_id(expected_peer)));
-    }
-    group->peer = reply.engine_id;
-  }
-  for (size_t i = 0; i < fds.size(); ++i) {
-    auto s = std::make_shared<Stream>();
-    s->fd = fds[i];
-    s->remote = group->remote;
-    s->group = group;
-    group->streams.push_back(s);
-  }
-  group->arrived = fds.size();
-  {
-    std::lock_guard lock(mu_);
-    groups_[{group->peer, group->nonce}] = group;
-    auto& slot = primary_[group->peer];
-    if (!slot || slot->dead.load()) slot = group;
-  }
-  for (auto& s : group->streams) {
-    workers_[next_worker_.fetch_add(1) % workers_.size()]->adopt(s);
-  }
-  ctx_.events->on_peer_up(group->peer);
-  spdlog::debug("ferry tcp: connected to engine {} at {} with {} streams", hex_id(group->peer),
-                group->remote, group->streams.size());
-  return group;
-}
-
-// ---------------------------------------------------------------- accept ---
-
-void TcpTransport::on_accept(int listen_fd) {
-  for (;;) {
-    sockaddr_storage from{};
-    socklen_t len = sizeof from;
-    const int fd =
-        accept4(listen_fd, reinterpret_cast<sockaddr*>(&from), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        spdlog::warn("ferry tcp: accept failed: {}", errno_text(errno));
-      }
-      return;
-    }
-    SocketAddress a;
-    a.storage = from;
-    a.length = len;
-    tune_stream_socket(fd, opt_.user_timeout, opt_.sndbuf, opt_.rcvbuf);
-    auto s = std::make_shared<Stream>();
-    s->fd = fd;
-    s->remote = a.to_string();
-    s->rx = Stream::Rx::kHello;
-    s->hello_deadline = std::chrono::steady_clock::now() + opt_.connect_timeout;
-    workers_[next_worker_.fetch_add(1) % workers_.size()]->adopt(s);
-  }
-}
-
-bool TcpTransport::rx_hello(Stream& s) {
-  const ssize_t r = ::recv(s.fd, s.head + s.head_got, sizeof(Hello) - s.head_got, 0);
-  if (r <= 0) {
-    if (r < 0 && (errno == EAGAIN || errno == EINTR)) return false;
-    spdlog::info("ferry tcp: connection from {} closed during the handshake", s.remote);
-    fail_stream(s, err::PeerDisconnected("closed during handshake"));
-    return false;
-  }
-  s.head_got += static_cast<size_t>(r);
-  if (s.head_got < sizeof(Hello)) return true;
-  s.head_got = 0;
-  Hello hello;
-  std::memcpy(&hello, s.head, sizeof hello);
-  auto refuse = [&](StatusCode code, const std::string& why) {
-    spdlog::warn("ferry tcp: refusing connection from {}: {}", s.remote, why);
-    HelloReply reply{kHelloMagic,
-                     kProtocolVersion,
-                     static_cast<uint16_t>(code),
-                     ctx_.engine_id,
-                     static_cast<uint32_t>(std::min<size_t>(why.size(), kMaxHelloMessage)),
-                     0};
-    (void)send_all(s.fd, &reply, sizeof reply, std::chrono::milliseconds(100));
-    (void)send_all(s.fd, why.data(), reply.message_bytes, std::chrono::milliseconds(100));
-    fail_stream(s, err::ProtocolError(why));
-    return false;
-  };
-  if (hello.magic != kHelloMagic) {
-    spdlog::warn("ferry tcp: closing connection from {}: not a Ferry handshake (magic {:#010x})",
-                 s.remote, hello.magic);
-    fail_stream(s, err::ProtocolError("bad handshake magic"));
-    return false;
-  }
-  if (hello.protocol_version != kProtocolVersion) {
-    return refuse(StatusCode::kProtocolError,
-                  fmt::format("protocol version mismatch: peer speaks {}, this engine speaks {}",
-                              hello.protocol_version, kProtocolVersion));
-  }
-  if (hello.engine_id == 0 || hello.stream_count == 0 || hello.stream_count > 64 ||
-      hello.stream_index >= hello.stream_count) {
-    return refuse(StatusCode::kProtocolError,
-                  fmt::format("malformed handshake: engine {}, stream {} of {}",
-                              hex_id(hello.engine_id), hello.stream_index, hello.stream_count));
-  }
-  std::shared_ptr<Group> group;
-  bool complete = false;
-  {
-    std::lock_guard lock(mu_);
-    auto& g = groups_[{hello.engine_id, hello.group_nonce}];
-    if (!g) {
-      g = std::make_shared<Group>();
-      g->peer = hello.engine_id;
-      g->nonce = hello.group_nonce;
-      g->remote = s.remote;
-      g->streams.resize(hello.stream_count);
-    }
-    group = g;
-  }
-  {
-    std::lock_guard lock(mu_);
-    if (group->streams.size() != hello.stream_count || group->streams[hello.stream_index]) {
-      return refuse(StatusCode::kProtocolError,
-                    fmt::format("stream {} of {} arrived twice or with a different count",
-                                hello.stream_index, hello.stream_count));
-    }
-    group->streams[hello.stream_index] = s.shared_from_this();
-  }
-  s.group = group;
-  HelloReply reply{kHelloMagic, kProtocolVersion, 0, ctx_.engine_id, 0, 0};
-  if (auto st = send_all(s.fd, &reply, sizeof reply, opt_.connect_timeout); !st.ok()) {
-    fail_stream(s, st);
-    return false;
-  }
-  {
-    std::lock_guard lock(mu_);
-    complete = ++group->arrived == group->streams.size();
-    if (complete) {
-      auto& slot = primary_[group->peer];
-      if (!slot || slot->dead.load()) slot = group;
-    }
-  }
-  s.rx = Stream::Rx::kHeader;
-  if (complete) ctx_.events->on_peer_up(group->peer);
-  return true;
 }
 
 // --------------------------------------------------------------- failure ---

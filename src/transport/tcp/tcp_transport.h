@@ -57,6 +57,7 @@ struct TcpOptions {
   uint64_t gpu_inline_bytes = 64 << 10;
   std::chrono::microseconds gpu_inline_wait{500};
   uint64_t gpu_min_stripe = 32 << 10;
+  uint16_t handshake_revision = kHandshakeRevision;  // tcp.handshake_revision
   bool trace = false;  // tcp.trace: stage trace of every transfer this engine initiates
   uint64_t trace_keep = 4096;
 };
@@ -158,7 +159,10 @@ struct Stream : EpollTag, std::enable_shared_from_this<Stream> {
   // --- receiving side: owning worker only ---
   // kWaitSlot: a payload bound for GPU memory waits for a staging slot;
   // reading is paused (rx_paused) until the worker hands one over.
-  enum class Rx { kHello, kHeader, kAux, kPayload, kWaitSlot } rx = Rx::kHeader;
+  // kHelloMetadata: an accepted stream receives the connecting engine's
+  // metadata (handshake revision 2) into `aux`.
+  enum class Rx { kHello, kHelloMetadata, kHeader, kAux, kPayload, kWaitSlot } rx = Rx::kHeader;
+  bool handshaking() const { return rx == Rx::kHello || rx == Rx::kHelloMetadata; }
   uint8_t head[sizeof(FrameHeader)];
   size_t head_got = 0;
   FrameHeader hdr{};
@@ -318,6 +322,11 @@ class TcpTransport final : public Transport {
   // The waiter that passes a released slot to `s`'s worker.
   std::function<void(std::unique_ptr<StagingSlot>)> resume_with_slot(Stream& s);
   Result<std::shared_ptr<Group>> open_group(const SocketAddress& address, PeerId expected_peer);
+  // The connecting side of stream `index`'s handshake on `fd`; `metadata`
+  // (ours, on the first stream) is exchanged where the peer speaks revision
+  // 2. Returns the peer's engine id.
+  Result<PeerId> handshake_out(int fd, const Group& group, uint32_t index, ByteView metadata,
+                               PeerId expected_peer);
   std::shared_ptr<Group> primary(PeerId peer) const;
   // What a WRITE or READ needs first: the peer's live group, whether the
   // local memory is GPU memory, and the payload size of its frames.
@@ -381,6 +390,12 @@ class TcpTransport final : public Transport {
   // Receive-side steps; each returns false when the socket would block or the
   // stream failed (then `s.dead` is set).
   bool rx_hello(Stream& s);
+  bool rx_hello_metadata(Stream& s);
+  // Answers a Hello with a refusal naming `why` and fails the stream; false.
+  bool refuse_hello(Stream& s, StatusCode code, const std::string& why);
+  // The handshake of accepted stream `s` is done: it carries frames now, and
+  // the group is up once every stream arrived.
+  void stream_arrived(Stream& s, const std::shared_ptr<Group>& group);
   bool rx_header(Stream& s);
   bool rx_aux(Stream& s);
   bool rx_payload(Stream& s);

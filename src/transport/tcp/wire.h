@@ -1,7 +1,9 @@
 // The tcp transport's wire format (docs/protocol.md explains it in prose).
 //
 // Every stream starts with a Hello from the connecting side and a HelloReply
-// from the accepting side. After that both directions carry frames: a fixed
+// from the accepting side. Where both engines speak handshake revision 2, the
+// first stream of a connection also carries both engines' metadata (below).
+// After that both directions carry frames: a fixed
 // 32-byte FrameHeader, `aux_bytes` of auxiliary data (segment table, error
 // message or notification), then `payload_bytes` of data. Requests (WRITE,
 // READ_REQUEST, NOTIFY) may flow either way; each stream answers requests in
@@ -29,6 +31,27 @@ constexpr uint16_t kFrameMagic = 0xF7E5;
 // sides rely on it).
 constexpr uint64_t kGpuFramePayload = 1 << 20;
 
+// Handshake revisions, negotiated per stream as the lower of both sides'
+// (engines before revision 2 send 0 in the field, read as 1; frames are the
+// same in every revision, so the protocol version stays):
+//   1: Hello, HelloReply.
+//   2: on a stream whose Hello declares metadata_bytes > 0, the reply of an
+//      engine that agrees to 2 is followed by its metadata (message_bytes of
+//      it); the connecting side checks it, sends its own metadata_bytes,
+//      and the accepting side, having checked those, answers with a second
+//      HelloReply (status 0, or a refusal and its message). The stream
+//      carries frames after that. Connect by address then knows the peer as
+//      connect by metadata does (docs/protocol.md).
+constexpr uint16_t kHandshakeRevisionPlain = 1;
+constexpr uint16_t kHandshakeRevisionMetadata = 2;
+constexpr uint16_t kHandshakeRevision = kHandshakeRevisionMetadata;  // what this build speaks
+// A revision field as sent: 0 (engines before revisions existed) means 1.
+constexpr uint16_t effective_revision(uint16_t field) {
+  return field == 0 ? kHandshakeRevisionPlain : field;
+}
+// Largest engine metadata a handshake carries (EngineMetadata's own limit).
+constexpr uint32_t kMaxHelloMetadata = 64 * 1024;
+
 struct Hello {
   uint32_t magic;
   uint16_t protocol_version;
@@ -36,8 +59,8 @@ struct Hello {
   uint64_t engine_id;
   uint64_t group_nonce;  // same for all streams of one connection group
   uint16_t stream_count;
-  uint16_t reserved0;
-  uint32_t reserved1;
+  uint16_t handshake_revision;  // highest the connecting side speaks (0: 1)
+  uint32_t metadata_bytes;      // revision 2: its metadata, sent after the reply
 };
 static_assert(sizeof(Hello) == 32);
 
@@ -46,8 +69,11 @@ struct HelloReply {
   uint16_t protocol_version;
   uint16_t status;  // StatusCode; non-zero: refused, message follows
   uint64_t engine_id;
+  // Bytes that follow: the refusal's message, or (status 0, revision 2, a
+  // Hello with metadata) the accepting engine's metadata.
   uint32_t message_bytes;
-  uint32_t reserved;
+  uint16_t handshake_revision;  // agreed: min of both sides (0 from engines before: 1)
+  uint16_t reserved;
 };
 static_assert(sizeof(HelloReply) == 24);
 constexpr uint32_t kMaxHelloMessage = 1024;
