@@ -14,8 +14,17 @@
 #                     build/python of a -DFERRY_BUILD_PYTHON=ON build); default:
 #                     the ferry installed for $PYTHON
 #   UCCL_ONLY         space-separated script names to run (default: all)
+#   UCCL_MATCH        extended regex a run's full name must match (e.g.
+#                     '^benchmark_uccl.py (gpu|--write-ipc)$'; default: all)
 #   UCCL_TIMEOUT      seconds per script (default 300)
 #   UCCL_BENCH_ARGS   extra arguments for the benchmark_uccl.py runs (e.g. "--iters 16")
+#   UCCL_NO_FERRY_SIDE  set: leave out Ferry's own API beside each benchmark run
+#
+# For each one-block benchmark_uccl.py run (default mode, --device cpu,
+# --write-ipc, --read-ipc) the summary lists its GB/s and latency lines and,
+# beside them, Ferry's own Python API on the same sizes, iterations and GPUs
+# (bench/uccl/ferry_same_sizes.py) with the ratio of latencies: a slow path
+# cannot hide behind PASS.
 #
 # Scripts that need torch, CUDA or several GPUs are skipped with the reason
 # where those are missing. Exit status: 0 if nothing that ran failed.
@@ -46,6 +55,14 @@ __all__ = ["p2p"]
 PY
 export PYTHONPATH="$SHIM${FERRY_PYTHONPATH:+:$FERRY_PYTHONPATH}${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+
+FERRY_SIDE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ferry_same_sizes.py"
+# The sizes and iterations the benchmark runs use (benchmark_uccl.py's defaults unless
+# UCCL_BENCH_ARGS names them).
+SIZES=$(sed -n 's/.*--sizes[ =]\([0-9,]*\).*/\1/p' <<<"$BENCH_ARGS")
+SIZES=${SIZES:-8,16,32,64,128,256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288,1048576}
+ITERS=$(sed -n 's/.*--iters[ =]\([0-9]*\).*/\1/p' <<<"$BENCH_ARGS")
+ITERS=${ITERS:-128}
 
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -82,10 +99,13 @@ case "$probe" in
 esac
 
 failed=0
+LAST_LOG=""  # the log of the last script that ran ("" when it was skipped)
 # run NAME NEEDS_GPUS PASS_REGEX -- command...   (NEEDS_GPUS: -1 = no torch needed)
 run() {
   local name=$1 gpus=$2 pass=$3; shift 4
+  LAST_LOG=""
   if [ -n "${UCCL_ONLY:-}" ] && ! grep -qw -- "${name%% *}" <<<"$UCCL_ONLY"; then return; fi
+  if [ -n "${UCCL_MATCH:-}" ] && ! grep -Eq -- "$UCCL_MATCH" <<<"$name"; then return; fi
   if [ "$gpus" -ge 0 ] && [ "$HAVE_TORCH" = 0 ]; then
     note "SKIP  $name — torch is not installed for $PYTHON"; return
   fi
@@ -96,6 +116,7 @@ run() {
   local t0=$SECONDS rc
   (cd "$UCCL/p2p" && timeout --signal=INT --kill-after=20 "$TIMEOUT" "$@") >"$log" 2>&1
   rc=$?
+  LAST_LOG=$log
   if [ $rc -eq 0 ] && grep -Eq -- "$pass" "$log" && ! grep -q "^Traceback" "$log"; then
     note "PASS  $name ($((SECONDS - t0)) s)"
   else
@@ -105,6 +126,17 @@ run() {
   fi
 }
 TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2)
+
+# beside LIKE: the last benchmark run's GB/s and latency lines, then Ferry's own API on
+# the same workload (ferry_same_sizes.py --like LIKE) and the ratio per size.
+beside() {
+  [ -n "$LAST_LOG" ] && [ -f "$LAST_LOG" ] || return 0
+  grep -E '^\[Client\].*GB/s' "$LAST_LOG" | sed 's/^/        /' | tee -a "$SUMMARY"
+  [ -n "${UCCL_NO_FERRY_SIDE:-}" ] && return 0
+  (cd "$OUT" && timeout --kill-after=20 "$TIMEOUT" "$PYTHON" "$FERRY_SIDE" --like "$1" \
+    --sizes "$SIZES" --iters "$ITERS" --uccl-log "$LAST_LOG") 2>&1 | grep -v '^\[Ferry API\] *[0-9]' \
+    | sed 's/^/        /' | tee -a "$SUMMARY"
+}
 
 # CPU-capable.
 run "test_register_memory_cache.py" 0 "subregion cache verification passed" -- \
@@ -124,14 +156,18 @@ run "test_engine_nvlink_metadata.py" 1 "Received correct data" -- \
 {
 run "benchmark_uccl.py gpu" 1 "\[Client\] Benchmark complete" -- \
   "${TORCHRUN[@]}" benchmarks/benchmark_uccl.py $BENCH_ARGS
+beside default
 run "benchmark_uccl.py gpu async 128-iov" 1 "\[Client\] Benchmark complete" -- \
   "${TORCHRUN[@]}" benchmarks/benchmark_uccl.py --async-api --num-iovs 128 --sizes 1179648 $BENCH_ARGS
 run "benchmark_uccl.py cpu" 1 "\[Client\] Benchmark complete" -- \
   "${TORCHRUN[@]}" benchmarks/benchmark_uccl.py --device cpu $BENCH_ARGS
+beside cpu
 run "benchmark_uccl.py --write-ipc" 2 "write_ipc benchmark complete" -- \
   "${TORCHRUN[@]}" benchmarks/benchmark_uccl.py --write-ipc $BENCH_ARGS
+beside write-ipc
 run "benchmark_uccl.py --read-ipc" 2 "read_ipc benchmark complete" -- \
   "${TORCHRUN[@]}" benchmarks/benchmark_uccl.py --read-ipc $BENCH_ARGS
+beside read-ipc
 run "benchmark_uccl.py --write-ipc --async-api 128-iov" 2 "write_ipc benchmark complete" -- \
   "${TORCHRUN[@]}" benchmarks/benchmark_uccl.py --write-ipc --async-api --num-iovs 128 \
   --sizes 1179648 $BENCH_ARGS

@@ -74,6 +74,12 @@ def test_benchmark_uccl_style_flow(server):
     assert ip == "127.0.0.1" and port > 0
     ok, conn_id = ep.connect(ip, r_gpu, remote_port=port)
     assert ok
+    # connect() by address reaches what add_remote_endpoint(metadata) reaches: on one
+    # host, shm carries host memory (the tcp handshake brought the server's metadata)
+    if any(t["name"] == "shm" and t["running"] for t in ep.engine.transports()):
+        (peer_id,) = ep.engine.peers()
+        carriers = {t["transport"]: t["carries"] for t in ep.engine.peer_transports(peer_id)}
+        assert carriers["shm"] == "host memory", carriers
     # add_remote_endpoint: cached per metadata
     ok2, cid2 = ep.add_remote_endpoint(remote_metadata)
     ok3, cid3 = ep.add_remote_endpoint(remote_metadata)

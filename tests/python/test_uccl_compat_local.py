@@ -190,9 +190,13 @@ def test_connect_local_ipc_every_call(server, by):
     assert ep.remove_remote_endpoint(cid) is False
     with pytest.raises(p2p.InvalidConnId):
         ep.read_ipc(cid, big.ctypes.data, SIZE, blobs[0])
-    # the temporary registrations of the *_ipc calls are gone again
-    assert ep._covering(big.ctypes.data, SIZE) is None
+    # a *_ipc source nothing covers is registered on first use and kept for later calls
+    # (each call one lookup, not a registration and its release); close() releases it
+    kept = ep._ipc_local.get((big.ctypes.data, SIZE))
+    assert kept is not None and kept[1] and kept[0].registered
+    assert ep._covering(big.ctypes.data, SIZE) is None  # not an mr_id, nor advertise_ipc's
     ep.close()
+    assert not kept[0].registered
 
 
 def test_advertise_ipc_without_accept_local(server):
