@@ -178,6 +178,13 @@ def test_write_and_read_through_both_apis(target):
     assert np.array_equal(local[:SIZES[0]].reshape(blocks, 4096), src[perm])
     assert target("notifs", "initiator", 1) == [b"read-2"]
     agent.release_xfer_handle(h)
+    # A READ released once done but never polled still notifies the target.
+    h = agent.make_prepped_xfer("READ", lside, [0], rside, [1], b"unpolled")
+    if agent.transfer(h) != "DONE":
+        # Wait for the engine's transfer itself, not through check_xfer_state.
+        _wait(lambda: h._req._transfer.done(), 20, "the read")
+        agent.release_xfer_handle(h)
+    assert target("notifs", "initiator", 1) == [b"unpolled"]
     agent.release_dlist_handle(lside)
     agent.release_dlist_handle(rside)
     agent.close()

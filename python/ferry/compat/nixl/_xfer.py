@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ... import _errors
+from ... import _errors, _ferry
 from ._types import (
     nixl_status_t,
     nixl_xfer_op_t,
@@ -28,6 +28,10 @@ from ._types import (
 
 _IN_PROG = nixl_status_t.NIXL_IN_PROG
 _SUCCESS = nixl_status_t.NIXL_SUCCESS
+_OK = _ferry.StatusCode.Ok
+# The wall clock at one instant of perf_counter: telemetry's startTime without a
+# time.time_ns() call per post.
+_EPOCH_NS, _PERF_NS = time.time_ns(), time.perf_counter_ns()
 
 
 class nixlXferTelemetry:
@@ -61,21 +65,22 @@ class XferRequest:
         self.notif = notif
         self.desc_count = int(lengths.size)
         self.total_bytes = int(lengths.sum())
-        self._transfers = []
-        self._pending_notif = None
+        self._transfer = None          # the Ferry transfer of the last post
+        self._pending_notif = None     # a READ's notification, sent once it completed
+        self._framed = None            # self.notif with the sender's name, built once
         self._posted = False
         self._done = False
         self._error = None
-        self._t_start_us = 0
         self._t_post_ns = 0
         self._t0 = 0
         self._t_done_ns = 0
-        prepare = peer.prepare_write if self.op == nixl_xfer_op_t.NIXL_WRITE else peer.prepare_read
+        self._is_write = self.op == nixl_xfer_op_t.NIXL_WRITE
+        prepare = peer.prepare_write if self._is_write else peer.prepare_read
         try:
             # region=None: the local column is addresses (checked against this
             # agent's registrations already; the engine checks them again per post).
-            self._parts = [prepare(None, local_addresses, remote_descs,
-                                   remote_index.astype(np.uint32), remote_offsets, lengths)]
+            self._part = prepare(None, local_addresses, remote_descs,
+                                 remote_index.astype(np.uint32), remote_offsets, lengths)
         except _errors.FerryError as exc:
             raise from_ferry(exc, f"preparing {self.describe()}") from None
 
@@ -88,33 +93,32 @@ class XferRequest:
         return self._posted and not self._done and self._error is None
 
     def post(self, notif: bytes) -> nixl_status_t:
-        if self.active:
-            if not all(t.done() for t in self._transfers):
+        if self._posted and not self._done and self._error is None:
+            if not self._transfer.done():
                 raise nixlRepostActiveError(f"{self.describe()} is still in progress; wait for "
                                             "DONE (check_xfer_state) before posting it again")
             self._finish()  # it completed; settle it before the new post
-        if notif:
-            self.notif = notif  # a message given to transfer() replaces the request's
-        msg = self.notif
-        framed = self.agent.frame_notif(msg) if msg else None
+        if notif and notif != self.notif:
+            self.notif, self._framed = notif, None  # transfer()'s message replaces the request's
+        if self._framed is None and self.notif:
+            self._framed = self.agent.frame_notif(self.notif)
         self._posted, self._done, self._error = True, False, None
-        self._pending_notif = None
-        self._t_start_us = time.time_ns() // 1000
-        self._t0 = time.perf_counter_ns()
+        t0 = self._t0 = time.perf_counter_ns()  # startTime derives from it (telemetry())
         try:
-            if framed is not None and len(self._parts) == 1 and self.op == nixl_xfer_op_t.NIXL_WRITE:
-                self._transfers = [self._parts[0].post(notify=framed)]
+            if self._is_write:
+                self._transfer = self._part.post(notify=self._framed)
             else:
-                self._transfers = [p.post() for p in self._parts]
-                self._pending_notif = framed
+                self._transfer = self._part.post()
+                self._pending_notif = self._framed
         except _errors.FerryError as exc:
             self._error = from_ferry(exc, f"posting {self.describe()}")
-            for t in self._transfers:
-                t.cancel()
-            raise self._error
+            raise self._error from None
         finally:
-            self._t_post_ns = time.perf_counter_ns() - self._t0
-        return self.status()
+            self._t_post_ns = time.perf_counter_ns() - t0
+        if self._transfer.done():
+            self._finish()
+            return _SUCCESS
+        return _IN_PROG
 
     def status(self) -> nixl_status_t:
         if self._done:
@@ -123,22 +127,21 @@ class XferRequest:
             raise self._error
         if not self._posted:
             raise nixlNotPostedError(f"{self.describe()} was never posted (call transfer first)")
-        for t in self._transfers:
-            if not t.done():
-                return _IN_PROG
+        if not self._transfer.done():
+            return _IN_PROG
         self._finish()
         return _SUCCESS
 
     def _finish(self) -> None:
-        """Every part has completed: raise the first failure, else send the
+        """The transfer has completed: raise its failure, else send the
         notification that had to wait for the data."""
         self._t_done_ns = time.perf_counter_ns() - self._t0
-        for t in self._transfers:
-            try:
-                t.wait(0)
-            except _errors.FerryError as exc:
-                self._error = from_ferry(exc, f"{self.describe()} failed")
-                raise self._error from None
+        try:
+            if self._transfer.status != _OK:
+                self._transfer.wait(0)  # raises the failure with its message
+        except _errors.FerryError as exc:
+            self._error = from_ferry(exc, f"{self.describe()} failed")
+            raise self._error from None
         if self._pending_notif is not None:
             msg, self._pending_notif = self._pending_notif, None
             try:
@@ -150,15 +153,23 @@ class XferRequest:
         self._done = True
 
     def cancel(self) -> None:
-        for t in self._transfers:
-            if not t.done():
+        """Release: a running transfer is cancelled; one that completed unobserved
+        still sends its READ notification (the target may be waiting for it)."""
+        t = self._transfer
+        if t is not None and self.active:
+            if t.done():
+                try:
+                    self._finish()
+                except Exception:
+                    pass  # released: nobody asks for its failure any more
+            else:
                 t.cancel()
-        self._transfers = []
+        self._transfer = None
         self._posted = False
 
     def telemetry(self) -> nixlXferTelemetry:
         # Whole microseconds, rounded up: a posted request never reports 0.
         post_us = -(-self._t_post_ns // 1000)
         xfer_us = -(-self._t_done_ns // 1000) if self._done else 0
-        return nixlXferTelemetry(self._t_start_us, post_us, xfer_us, self.total_bytes,
-                                 self.desc_count)
+        start_us = (_EPOCH_NS + self._t0 - _PERF_NS) // 1000 if self._posted else 0
+        return nixlXferTelemetry(start_us, post_us, xfer_us, self.total_bytes, self.desc_count)
