@@ -188,3 +188,49 @@ def test_shim_makes_nixl_imports_resolve(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "shim ok x" in out.stdout
+
+
+def test_agents_added_from_another_thread_while_transferring():
+    """vLLM adds remote agents from its handshake thread while the worker thread
+    transfers: both go on, every byte checked."""
+    import threading
+    a, b, (x, y) = _pair()
+    others = [_agent() for _ in range(3)]
+    stop = threading.Event()
+    errors = []
+
+    def handshakes():
+        try:
+            while not stop.is_set():
+                for o in others:
+                    a.add_remote_agent(o.get_agent_metadata())
+                    assert a.check_remote_metadata(o.name)
+                    a.remove_remote_agent(o.name)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+    t = threading.Thread(target=handshakes)
+    t.start()
+    try:
+        lside = a.prep_xfer_dlist("", [(x.ctypes.data + 4096 * i, 4096, 0) for i in range(16)],
+                                  "DRAM")
+        rside = a.prep_xfer_dlist(b.name, [(y.ctypes.data + 4096 * i, 4096, 0)
+                                           for i in range(16)], "DRAM")
+        for rnd in range(50):
+            x[:16 * 4096] = np.random.default_rng(rnd).integers(0, 256, 16 * 4096, dtype=np.uint8)
+            perm = np.random.default_rng(100 + rnd).permutation(16)
+            h = a.make_prepped_xfer("WRITE", lside, list(range(16)), rside, perm,
+                                    f"r{rnd}".encode())
+            a.transfer(h)
+            _until_done(a, h)
+            a.release_xfer_handle(h)
+            got = y[:16 * 4096].reshape(16, 4096)
+            assert np.array_equal(got[perm], x[:16 * 4096].reshape(16, 4096)), f"round {rnd}"
+        deadline = time.monotonic() + 20
+        seen = []
+        while len(seen) < 50 and time.monotonic() < deadline:
+            seen += b.get_new_notifs().get(a.name, [])
+        assert seen == [f"r{i}".encode() for i in range(50)]
+    finally:
+        stop.set()
+        t.join(20)
+    assert not errors, errors
