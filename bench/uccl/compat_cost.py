@@ -8,6 +8,9 @@ ratio to Ferry's own API (floor, issue 31: at most 1.2).
     python bench/uccl/compat_cost.py [--sizes 4096,1048576,16777216] [--iters 400]
                                      [--rounds 5] [--device cpu|gpu] [--p2p FILE]
 
+Then the posting cost alone (the call returning; the transfer waited for untimed),
+which is the layer's own work per call: Peer.write_async against the async forms.
+
 Forms (one block per call, blocking unless said):
   ferry      Peer.write((region, 0, size), (desc, 0, size))         -- the reference
   write_ipc  Endpoint.write_ipc(conn, ptr, size, desc)              -- UCCL --write-ipc
@@ -95,6 +98,7 @@ def main() -> int:
     print(f"# {a.device} memory, connected by address; carriers {carriers}; "
           f"p2p from {p2p.__file__}")
     print(f"{'size':>9} | {'ferry us':>9} | {'write_ipc':>15} | {'writev':>15} | {'async+poll':>15}")
+    posts = {}
     for size, blob in zip(sizes, blobs):
         buf, ptr = buffer(size, a.device)
         ok, mr = ep.reg(ptr, size)
@@ -134,11 +138,50 @@ def main() -> int:
         ref = med["ferry"]
         cells = " | ".join(f"{med[k]:7.2f} {med[k] / ref:5.2f}x" for k in ("write_ipc", "writev", "async"))
         print(f"{size:>9} | {ref:9.2f} | {cells}", flush=True)
+        posts[size] = post_costs(ep, conn, peer, region, mr, ptr, uptr, size, blob, a)
         ep.dereg(mr)
+    # The layer's own work per call, apart from the transfer: the time to post (the
+    # call returning its transfer id), 32 posts timed, then waited for untimed.
+    print("\nposting cost per call, us (median of rounds; the transfer itself is waited for "
+          "untimed)")
+    print(f"{'size':>9} | {'ferry':>7} | {'write_ipc_async':>15} | {'writev_async':>15} | "
+          f"{'write_async':>15}")
+    for size, med in posts.items():
+        ref = med["ferry"]
+        cells = " | ".join(f"{med[k]:7.2f} {med[k] / ref:5.2f}x"
+                           for k in ("write_ipc_async", "writev_async", "write_async"))
+        print(f"{size:>9} | {ref:7.2f} | {cells}")
     here.send("done")
     proc.join(30)
     ep.close()
     return 0
+
+
+def post_costs(ep, conn, peer, region, mr, ptr, uptr, size, blob, a, batch=32):
+    def ferry_post():
+        return peer.write_async((region, 0, size), (blob, 0, size))
+
+    forms = {
+        "ferry": (ferry_post, lambda t: t.wait()),
+        "write_ipc_async": (lambda: ep.write_ipc_async(conn, uptr, size, blob)[1],
+                            lambda t: ep.wait_async(t)),
+        "writev_async": (lambda: ep.writev_async(conn, [mr], [ptr], [size], [blob], 1)[1],
+                         lambda t: ep.wait_async(t)),
+        "write_async": (lambda: ep.write_async(conn, mr, ptr, size, blob)[1],
+                        lambda t: ep.wait_async(t)),
+    }
+    got = {k: [] for k in forms}
+    rounds = max(3, a.iters // batch)
+    for r in range(rounds):
+        order = list(forms) if r % 2 == 0 else list(reversed(forms))
+        for k in order:
+            post, wait = forms[k]
+            t0 = time.perf_counter()
+            ids = [post() for _ in range(batch)]
+            got[k].append((time.perf_counter() - t0) / batch * 1e6)
+            for t in ids:
+                wait(t)
+    return {k: statistics.median(v) for k, v in got.items()}
 
 
 if __name__ == "__main__":
