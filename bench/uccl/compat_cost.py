@@ -8,8 +8,9 @@ ratio to Ferry's own API (floor, issue 31: at most 1.2).
     python bench/uccl/compat_cost.py [--sizes 4096,1048576,16777216] [--iters 400]
                                      [--rounds 5] [--device cpu|gpu] [--p2p FILE]
 
-Then the posting cost alone (the call returning; the transfer waited for untimed),
-which is the layer's own work per call: Peer.write_async against the async forms.
+Then the posting cost alone (the calling thread's CPU time until the call returns; the
+transfer waited for untimed), which is the layer's own work per call: Peer.write_async
+against the async forms.
 
 Forms (one block per call, blocking unless said):
   ferry      Peer.write((region, 0, size), (desc, 0, size))         -- the reference
@@ -142,8 +143,8 @@ def main() -> int:
         ep.dereg(mr)
     # The layer's own work per call, apart from the transfer: the time to post (the
     # call returning its transfer id), 32 posts timed, then waited for untimed.
-    print("\nposting cost per call, us (median of rounds; the transfer itself is waited for "
-          "untimed)")
+    print("\nposting cost per call, us of the posting thread's CPU time (median of rounds; the "
+          "transfer itself is waited for untimed)")
     print(f"{'size':>9} | {'ferry':>7} | {'write_ipc_async':>15} | {'writev_async':>15} | "
           f"{'write_async':>15}")
     for size, med in posts.items():
@@ -176,9 +177,9 @@ def post_costs(ep, conn, peer, region, mr, ptr, uptr, size, blob, a, batch=32):
         order = list(forms) if r % 2 == 0 else list(reversed(forms))
         for k in order:
             post, wait = forms[k]
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # this thread's CPU time: a loaded machine's preemption left out
             ids = [post() for _ in range(batch)]
-            got[k].append((time.perf_counter() - t0) / batch * 1e6)
+            got[k].append((time.thread_time() - t0) / batch * 1e6)
             for t in ids:
                 wait(t)
     return {k: statistics.median(v) for k, v in got.items()}
