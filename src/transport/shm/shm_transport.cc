@@ -456,6 +456,7 @@ void ShmTransport::shutdown(const Status& reason) {
     workers_stop_ = true;
   }
   task_cv_.notify_all();
+  backlog_cv_.notify_all();
   for (auto& w : workers_) w.join();
   workers_.clear();
   std::deque<Task> left;
@@ -1278,11 +1279,16 @@ void ShmTransport::drain_backlog(const std::shared_ptr<Connection>& c) {
 // ------------------------------------------------------ target: copy work ---
 
 void ShmTransport::submit(Task task) {
+  size_t waiting;
   {
     std::lock_guard lock(task_mu_);
     tasks_.push_back(std::move(task));
+    waiting = tasks_.size();
   }
   task_cv_.notify_one();
+  // A backlog (a large transfer's requests): wake a worker beyond the first
+  // kEagerCopyThreads too.
+  if (waiting >= 2) backlog_cv_.notify_one();
 }
 
 void ShmTransport::worker_loop(int index) {
@@ -1291,7 +1297,13 @@ void ShmTransport::worker_loop(int index) {
     Task task;
     {
       std::unique_lock lock(task_mu_);
-      task_cv_.wait(lock, [&] { return workers_stop_ || !tasks_.empty(); });
+      // The first kEagerCopyThreads workers are woken for every task; the
+      // others only while tasks queue up, so a few requests in flight keep
+      // going to the same, recently busy threads (a thread idle for long
+      // wakes later) and only a backlog spreads over the whole budget.
+      std::condition_variable& cv =
+          static_cast<uint32_t>(index) < kEagerCopyThreads ? task_cv_ : backlog_cv_;
+      cv.wait(lock, [&] { return workers_stop_ || !tasks_.empty(); });
       if (workers_stop_) return;
       task = std::move(tasks_.front());
       tasks_.pop_front();

@@ -76,6 +76,10 @@ struct ShmOptions {
   uint64_t staging_bytes = 32 << 20;
 };
 
+// Copy workers woken for any task; the rest of shm.copy_threads only for a
+// backlog of them.
+constexpr uint32_t kEagerCopyThreads = 4;
+
 // shm.copy_threads=0: the copy threads for a process that may use `cpus` CPUs.
 uint32_t default_copy_threads(uint32_t cpus);
 
@@ -319,7 +323,8 @@ class ShmTransport final : public Transport {
   // Copy workers and their queue.
   std::vector<std::thread> workers_;
   std::mutex task_mu_;
-  std::condition_variable task_cv_;
+  std::condition_variable task_cv_;     // workers below kEagerCopyThreads wait here
+  std::condition_variable backlog_cv_;  // the others: woken only while tasks queue up
   std::deque<Task> tasks_;
   bool workers_stop_ = false;  // under task_mu_
 
