@@ -97,6 +97,10 @@ class Nixl:
         # PEERS_NIXL_PROG_THREAD=1 keeps it (NIXL's default), for reference. The
         # target keeps one: over UCX's tcp transport it must receive the bytes.
         prog = role == "target" or os.environ.get("PEERS_NIXL_PROG_THREAD") == "1"
+        # On a machine with NVIDIA GPUs NIXL 1.5.1 refuses UCX_TLS=tcp ("does not enable CUDA
+        # memory support"); cuda_copy beside it carries no host memory between processes.
+        if os.environ.get("UCX_TLS") == "tcp" and os.path.exists("/dev/nvidiactl"):
+            os.environ["UCX_TLS"] = "tcp,cuda_copy"
         self.agent = nixl_agent(role, nixl_agent_config(enable_prog_thread=prog, backends=["UCX"]))
         self.agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
         self.base = buf.ctypes.data
