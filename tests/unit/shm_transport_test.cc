@@ -491,16 +491,23 @@ TEST_P(ShmTransportTest, ScatteredBatchSplitOverCopyThreadsIsExact) {
 }
 
 // Large requests are copied by several threads at once: a 64 MiB write cut
-// into 1 MiB requests, 4 copy threads. (Retried a few times: on a loaded
-// machine one thread may finish before another gets a core.)
+// into 1 MiB requests, 4 copy threads, cross-memory attach (all 64 requests
+// reach the target at once). Retried a few times: on a loaded machine one
+// thread may finish before another gets a core.
 TEST_P(ShmTransportTest, LargeTransferIsCopiedByThreadsInParallel) {
+  if (g_mode == "staging") {
+    // The posting thread copies each request into its area before sending it, so requests
+    // reach the target one copy apart and whether two copies overlap there is timing.
+    GTEST_SKIP() << "staging: requests arrive one memcpy apart (the split itself is checked by "
+                    "ScatteredBatchSplitOverCopyThreadsIsExact)";
+  }
   const size_t n = 64 << 20;
   std::vector<uint8_t> src = random_bytes(n), dst(n, 0);
   Side a(Options{{"shm.max_request_bytes", "1MiB"}});
   Side b(Options{{"shm.copy_threads", "4"}});
   join(a, b);
   RemoteDescriptor d = advertise(b, dst, kAccessWrite);
-  for (int attempt = 0; attempt < 5 && counter(b, "peak_parallel_copies") < 2; ++attempt) {
+  for (int attempt = 0; attempt < 10 && counter(b, "peak_parallel_copies") < 2; ++attempt) {
     std::fill(dst.begin(), dst.end(), 0);
     auto w = std::make_shared<Transfer>(1 + attempt, TransferOp::kWrite, b.id);
     ASSERT_TRUE(a.transport.post_write(b.id, w, {seg(src.data(), n, d, 0)}).ok());
