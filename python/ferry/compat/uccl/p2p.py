@@ -617,25 +617,30 @@ class Endpoint:
     def read_async(self, conn_id, mr_id, ptr, size, meta):
         return self._one("read", "read_async()", conn_id, mr_id, ptr, size, meta, True)
 
-    def writev(self, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs):
+    def _vec(self, op, what, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs, async_):
+        # One iov in lists (UCCL's default benchmark mode): the one-block path.
+        if (num_iovs == 1 and type(meta_blob_v) is list and len(meta_blob_v) == 1
+                and len(mr_id_v) == 1 and len(ptr_v) == 1 and len(size_v) == 1):
+            return self._one(op, what, conn_id, mr_id_v[0], ptr_v[0], size_v[0],
+                             meta_blob_v[0], async_)
         _check_len(num_iovs, mr_id_v, ptr_v, size_v, meta_blob_v)
-        return self._post("write", "writev()", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v,
-                          False)
+        return self._post(op, what, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, async_)
+
+    def writev(self, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs):
+        return self._vec("write", "writev()", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v,
+                         num_iovs, False)
 
     def readv(self, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs):
-        _check_len(num_iovs, mr_id_v, ptr_v, size_v, meta_blob_v)
-        return self._post("read", "readv()", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v,
-                          False)
+        return self._vec("read", "readv()", conn_id, mr_id_v, ptr_v, size_v, meta_blob_v,
+                         num_iovs, False)
 
     def writev_async(self, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs):
-        _check_len(num_iovs, mr_id_v, ptr_v, size_v, meta_blob_v)
-        return self._post("write", "writev_async()", conn_id, mr_id_v, ptr_v, size_v,
-                          meta_blob_v, True)
+        return self._vec("write", "writev_async()", conn_id, mr_id_v, ptr_v, size_v,
+                         meta_blob_v, num_iovs, True)
 
     def readv_async(self, conn_id, mr_id_v, ptr_v, size_v, meta_blob_v, num_iovs):
-        _check_len(num_iovs, mr_id_v, ptr_v, size_v, meta_blob_v)
-        return self._post("read", "readv_async()", conn_id, mr_id_v, ptr_v, size_v,
-                          meta_blob_v, True)
+        return self._vec("read", "readv_async()", conn_id, mr_id_v, ptr_v, size_v,
+                         meta_blob_v, num_iovs, True)
 
     # ----------------------------------------------------- same-host (IPC) calls
     def advertise_ipc(self, conn_id, ptr: int, size: int):
