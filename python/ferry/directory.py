@@ -21,8 +21,9 @@ by hand, each engine publishes itself under a name, and its peers look it up::
 Back ends, chosen by what ``directory`` is:
 
 * ``"etcd://host:port[,host:port...]/prefix"``: etcd v3 through its HTTP/JSON
-  gateway (stdlib ``urllib``; the same keys and leases as the C++
-  ``ferry::Directory``, so C++ and Python engines see each other). Entries
+  gateway, by the C++ ``ferry::Directory`` itself (one etcd client for both
+  languages, so C++ and Python engines see each other; libcurl is loaded when
+  the first directory opens). Entries
   live under a lease kept alive by a thread: a dead process's names vanish
   within ``ttl`` seconds.
 * a ``torch.distributed`` store (``TCPStore``, ``FileStore``, ``HashStore``,
@@ -41,7 +42,6 @@ key layout, the lease rules and why the etcd client speaks HTTP, not gRPC.
 from __future__ import annotations
 
 import atexit
-import base64
 import json
 import logging
 import os
@@ -50,8 +50,6 @@ import socket
 import struct
 import threading
 import time
-import urllib.error
-import urllib.request
 import weakref
 from datetime import timedelta
 
@@ -244,474 +242,76 @@ class Directory:
 
 # ------------------------------------------------------------------------ etcd
 
-_GRPC_ERRORS = {3: InvalidArgument, 9: InvalidArgument, 11: InvalidArgument, 5: NotFound,
-                7: PermissionDenied, 16: PermissionDenied, 4: Timeout, 8: Busy, 10: Busy,
-                14: Busy, 12: NotSupported}
-
-
-def _b64(data) -> str:
-    if isinstance(data, str):
-        data = data.encode()
-    return base64.b64encode(data).decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text or "")
-
-
-def _prefix_end(prefix: str) -> bytes:
-    end = bytearray(prefix.encode())
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end)
-        end.pop()
-    return b"\0"
-
-
-def _parse_etcd_url(url: str):
-    if not url.startswith("etcd://"):
-        raise InvalidArgument(f"directory URL '{url}' is not etcd://host:port[,host:port...]"
-                              "[/prefix]")
-    rest = url[len("etcd://"):]
-    hosts, _, path = rest.partition("/")
-    endpoints = []
-    for one in filter(None, hosts.split(",")):
-        host, colon, port = one.rpartition(":")
-        if not colon or not host or not port.isdigit():
-            raise InvalidArgument(f"directory URL '{url}': endpoint '{one}' is not host:port")
-        endpoints.append(one)
-    if not endpoints:
-        raise InvalidArgument(f"directory URL '{url}' names no host:port")
-    path = path.rstrip("/") or "ferry"
-    for segment in path.split("/"):
-        try:
-            validate_name("directory URL prefix segment", segment)
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"directory URL '{url}': {exc}") from None
-    return endpoints, "/" + path
-
-
-class _EtcdClient:
-    """etcd v3's HTTP/JSON gateway over urllib: one request at a time, bounded
-    by ``timeout``, failing over to the next endpoint when one is unreachable."""
-
-    # No proxy, ever: the store is on the cluster network.
-    _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def __init__(self, endpoints, timeout: float, gateway_prefix: str | None):
-        self.endpoints = list(endpoints)
-        self.timeout = timeout
-        self.current = 0
-        self.gateway = gateway_prefix or ""
-        self.server_version = ""
-        self._mu = threading.Lock()
-
-    @property
-    def endpoint(self) -> str:
-        return self.endpoints[self.current]
-
-    def _request(self, endpoint: str, url: str, body: bytes | None):
-        req = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with self._opener.open(req, timeout=self.timeout) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
-        except (socket.timeout, TimeoutError) as exc:
-            raise Timeout(f"etcd at {endpoint} did not answer within {self.timeout:g} s: "
-                          f"{exc}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, (socket.timeout, TimeoutError)):
-                raise Timeout(f"etcd at {endpoint} did not answer within {self.timeout:g} s: "
-                              f"{reason}") from None
-            raise PeerDisconnected(f"etcd at {endpoint} is unreachable: {reason}") from None
-
-    def probe(self) -> None:
-        failures = []
-        with self._mu:
-            for i in range(len(self.endpoints)):
-                index = (self.current + i) % len(self.endpoints)
-                endpoint = self.endpoints[index]
-                try:
-                    status, body = self._request(endpoint, f"http://{endpoint}/version", None)
-                except (PeerDisconnected, Timeout) as exc:
-                    failures.append(str(exc))
-                    continue
-                self.current = index
-                try:
-                    info = json.loads(body)
-                except ValueError:
-                    info = None
-                if status != 200 or not isinstance(info, dict):
-                    raise ProtocolError(f"{endpoint} answered /version with HTTP {status} and no "
-                                        "etcd version: is it an etcd client URL?")
-                self.server_version = info.get("etcdserver", "")
-                cluster = info.get("etcdcluster", "")
-                if not cluster or cluster == "not_decided":
-                    cluster = self.server_version
-                m = re.match(r"(\d+)\.(\d+)", cluster)
-                if not m:
-                    raise ProtocolError(f"etcd at {endpoint} reported an unreadable version "
-                                        f"'{cluster}'")
-                major, minor = int(m.group(1)), int(m.group(2))
-                if not self.gateway:
-                    if (major, minor) >= (3, 4):
-                        self.gateway = "/v3"  # 3.4 serves /v3 and /v3beta, 3.5+ /v3 only
-                    elif (major, minor) == (3, 3):
-                        self.gateway = "/v3beta"
-                    else:
-                        raise NotSupported(f"etcd at {endpoint} is version {cluster}; the "
-                                           "directory needs etcd 3.3 or newer (its v3 HTTP "
-                                           "gateway)")
-                return
-        raise PeerDisconnected(f"no etcd endpoint answered ({', '.join(self.endpoints)}): "
-                               + "; ".join(failures))
-
-    def call(self, path: str, body: dict, what: str) -> dict:
-        data = json.dumps(body).encode()
-        last = None
-        with self._mu:
-            for i in range(len(self.endpoints)):
-                index = (self.current + i) % len(self.endpoints)
-                endpoint = self.endpoints[index]
-                try:
-                    status, raw = self._request(endpoint, f"http://{endpoint}{self.gateway}{path}",
-                                                data)
-                except (PeerDisconnected, Timeout) as exc:
-                    last = type(exc)(f"{exc} ({what})")
-                    continue
-                self.current = index
-                try:
-                    answer = json.loads(raw)
-                except ValueError:
-                    answer = None
-                if status == 404 and not (isinstance(answer, dict) and "code" in answer):
-                    raise NotSupported(f"etcd at {endpoint} has no gateway path "
-                                       f"{self.gateway}{path} (HTTP 404) for {what}")
-                if status != 200:
-                    answer = answer if isinstance(answer, dict) else {}
-                    message = answer.get("message") or answer.get("error") or raw[:200]
-                    cls = _GRPC_ERRORS.get(answer.get("code"), InternalError)
-                    raise cls(f"etcd at {endpoint} refused {what}: {message} (HTTP {status})")
-                if not isinstance(answer, dict):
-                    raise ProtocolError(f"etcd at {endpoint} answered {what} with something that "
-                                        "is not JSON")
-                err = answer.get("error")
-                if isinstance(err, dict):  # streaming calls wrap their errors
-                    cls = _GRPC_ERRORS.get(err.get("grpc_code"), InternalError)
-                    raise cls(f"etcd at {endpoint} refused {what}: {err.get('message')}")
-                return answer
-        raise last
-
-    # --- kv -------------------------------------------------------------------
-
-    @staticmethod
-    def _kv(item: dict) -> dict:
-        return {"key": _unb64(item.get("key", "")).decode(), "value": _unb64(item.get("value")),
-                "lease": int(item.get("lease", 0) or 0)}
-
-    def get(self, key: str):
-        answer = self.call("/kv/range", {"key": _b64(key)}, f"range of key {key}")
-        kvs = answer.get("kvs") or []
-        return self._kv(kvs[0]) if kvs else None
-
-    def get_prefix(self, prefix: str, keys_only: bool = False) -> list[dict]:
-        answer = self.call("/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
-                                         "keys_only": keys_only, "sort_order": "ASCEND",
-                                         "sort_target": "KEY"}, f"range of prefix {prefix}")
-        return [self._kv(item) for item in answer.get("kvs") or []]
-
-    def create_if_absent(self, guard: str, puts: list, lease: int, also_read: str):
-        """(created, existing kv of guard or None, kv of also_read or None)"""
-        body = {
-            "compare": [{"key": _b64(guard), "target": "CREATE", "result": "EQUAL",
-                         "create_revision": "0"}],
-            "success": [{"request_put": {"key": _b64(k), "value": _b64(v), "lease": str(lease)}}
-                        for k, v in puts],
-            "failure": [{"request_range": {"key": _b64(guard)}},
-                        {"request_range": {"key": _b64(also_read)}}],
-        }
-        answer = self.call("/kv/txn", body, f"create-if-absent transaction on key {guard}")
-        if answer.get("succeeded"):
-            return True, None, None
-        found = []
-        for response in answer.get("responses") or []:
-            kvs = (response.get("response_range") or {}).get("kvs") or []
-            found.append(self._kv(kvs[0]) if kvs else None)
-        found += [None, None]
-        return False, found[0], found[1]
-
-    def _if_lease(self, guard: str, lease: int, op: dict, what: str) -> bool:
-        body = {"compare": [{"key": _b64(guard), "target": "LEASE", "result": "EQUAL",
-                             "lease": str(lease)}],
-                "success": [op]}
-        return bool(self.call("/kv/txn", body, what).get("succeeded"))
-
-    def put_if_lease(self, guard: str, key: str, value: bytes, lease: int) -> bool:
-        return self._if_lease(guard, lease, {"request_put": {"key": _b64(key), "value": _b64(value),
-                                                             "lease": str(lease)}},
-                              f"put of key {key} under lease {lease:x}")
-
-    def delete_prefix_if_lease(self, guard: str, prefix: str, lease: int) -> bool:
-        return self._if_lease(guard, lease,
-                              {"request_delete_range": {"key": _b64(prefix),
-                                                        "range_end": _b64(_prefix_end(prefix))}},
-                              f"delete of prefix {prefix}")
-
-    # --- leases ---------------------------------------------------------------
-
-    def _lease_path(self, op: str) -> str:
-        # 3.4+ serves /lease/<op>; 3.3 only /kv/lease/<op> (grant and keepalive are /lease/ in both).
-        return f"/kv/lease/{op}" if self.gateway == "/v3beta" else f"/lease/{op}"
-
-    def lease_grant(self, ttl: int) -> int:
-        answer = self.call("/lease/grant", {"TTL": str(ttl)}, f"grant of a {ttl} s lease")
-        if answer.get("error"):
-            raise InternalError(f"etcd at {self.endpoint} refused a {ttl} s lease: "
-                                f"{answer['error']}")
-        lease = int(answer.get("ID", 0) or 0)
-        if not lease:
-            raise ProtocolError(f"etcd at {self.endpoint} granted a lease without an id")
-        return lease
-
-    def lease_keepalive(self, lease: int) -> int:
-        """Remaining ttl after the refresh; 0 when the lease no longer exists."""
-        answer = self.call("/lease/keepalive", {"ID": str(lease)}, f"keep-alive of lease {lease:x}")
-        result = answer.get("result")
-        if not isinstance(result, dict):
-            raise ProtocolError(f"etcd at {self.endpoint} answered a keep-alive without a result")
-        return int(result.get("TTL", 0) or 0)
-
-    def lease_time_to_live(self, lease: int) -> int:
-        answer = self.call(self._lease_path("timetolive"), {"ID": str(lease)},
-                           f"time-to-live of lease {lease:x}")
-        return int(answer.get("TTL", -1))
-
-    def lease_revoke(self, lease: int) -> None:
-        self.call(self._lease_path("revoke"), {"ID": str(lease)}, f"revoke of lease {lease:x}")
-
-
 class EtcdDirectory(Directory):
-    """The etcd back end; the same key layout and lease rules as the C++
-    ``ferry::Directory`` (docs/directory.md)."""
+    """The etcd back end: a binding of the C++ ``ferry::Directory`` (one etcd
+    client for both languages; key layout and lease rules in docs/directory.md).
+    Its keep-alive thread runs in C++; a lost lease is granted anew and every
+    entry put back, and a name taken meanwhile shows in ``health()``."""
 
     kind = "etcd"
 
     def __init__(self, url: str, *, ttl: int = 10, timeout: float = 3.0, claim_wait: float = 0.0,
                  holder: str | None = None, gateway_prefix: str | None = None):
-        endpoints, self.prefix = _parse_etcd_url(url)
+        if not isinstance(url, str):
+            raise InvalidArgument(f"directory URL must be a str, not {type(url).__name__}")
         if int(ttl) < 1:
             raise InvalidArgument(f"directory lease ttl {ttl} s: at least 1 s")
         self.ttl = int(ttl)
+        self.timeout = float(timeout)
         self.claim_wait = float(claim_wait)
         self.holder = holder or _default_holder()
-        self._user = _EtcdClient(endpoints, timeout, gateway_prefix)
-        self._keeper_client = _EtcdClient(endpoints, timeout, gateway_prefix)
-        self._user.probe()
-        self._keeper_client.probe()
-        self._mu = threading.Lock()            # the fields below
-        self._publish_mu = threading.RLock()   # serializes changes of what is in the store
-        self._stop = threading.Event()
-        self._lease = 0
-        self._engines: dict[str, bytes] = {}
-        self._entries: dict[tuple[str, str], bytes] = {}
-        self._lost: dict[str, str] = {}
-        self._health = None
-        self._restore_pending = False
-        self._thread = None
-        self._closed = False
+        from ._ferry import _Directory  # the native module; imported late like the engine
+        self._native = _Directory.open(url, self.ttl, self.timeout, self.timeout,
+                                       self.claim_wait, self.holder, gateway_prefix or "")
+        self.prefix = self._native.prefix
+        self._endpoint = self._native.endpoint
         _open_directories.add(self)
 
     @property
     def endpoint(self) -> str:
-        return self._user.endpoint
+        return self._endpoint if self._native.closed else self._native.endpoint
 
     @property
     def lease_id(self) -> int:
-        return self._lease
-
-    def _dir(self, name: str) -> str:
-        return f"{self.prefix}/engines/{name}/"
-
-    def _meta_key(self, name):
-        return self._dir(name) + "metadata"
-
-    def _holder_key(self, name):
-        return self._dir(name) + "holder"
-
-    def _entry_key(self, name, key):
-        return self._dir(name) + "keys/" + key
-
-    def _check_open(self):
-        if self._closed:
-            raise InvalidArgument("the directory is closed")
-
-    def _ensure_lease(self) -> None:
-        if self._lease:
-            return
-        self._lease = self._user.lease_grant(self.ttl)
-        self._thread = threading.Thread(target=self._keep_alive, name="ferry-directory",
-                                        daemon=True)
-        self._thread.start()
-
-    def _claim(self, client: _EtcdClient, name: str, metadata: bytes) -> str:
-        """'' when this directory holds ``name`` now, else who does."""
-        guard = self._meta_key(name)
-        created, existing, holder = client.create_if_absent(
-            guard, [(guard, metadata), (self._holder_key(name), self.holder.encode())],
-            self._lease, self._holder_key(name))
-        if created:
-            return ""
-        their = existing["lease"] if existing else 0
-        if their == self._lease and client.put_if_lease(guard, guard, metadata, self._lease):
-            return ""
-        who = holder["value"].decode(errors="replace") if holder else "an engine"
-        if not their:
-            return who + " (with no lease: it never expires; delete the key)"
-        try:
-            left = client.lease_time_to_live(their)
-        except FerryError:
-            left = -1
-        return f"{who} (lease {their:x}, {left} s left)" if left >= 0 else f"{who} (lease {their:x})"
+        return 0 if self._native.closed else self._native.lease_id
 
     def publish_engine(self, name: str, metadata: bytes) -> None:
         validate_name("engine name", name)
-        metadata = _as_bytes(metadata, "metadata")
-        self._check_open()
-        with self._publish_mu:
-            self._ensure_lease()
-            self._claim_waiting(name, lambda: self._claim(self._user, name, metadata),
-                                "its lease expires")
-            with self._mu:
-                self._engines[name] = metadata
-                self._lost.pop(name, None)
+        self._native.publish_engine(name, _as_bytes(metadata, "metadata"))
 
     def publish(self, name: str, key: str, value: bytes) -> None:
         validate_name("engine name", name)
         validate_name("key", key)
-        value = _as_bytes(value, "value")
-        self._check_open()
-        with self._publish_mu:
-            self._check_held(name, key)
-            if not self._user.put_if_lease(self._meta_key(name), self._entry_key(name, key), value,
-                                           self._lease):
-                raise PermissionDenied(f"publish of key '{key}' under engine name '{name}' in "
-                                       f"{self._where()}: the name is no longer held by this "
-                                       f"directory's lease {self._lease:x}")
-            with self._mu:
-                self._entries[(name, key)] = value
+        self._native.publish(name, key, _as_bytes(value, "value"))
 
     def lookup_engine(self, name: str, timeout: float = 0.0) -> bytes:
         validate_name("engine name", name)
-        key = self._meta_key(name)
-
-        def fetch():
-            kv = self._user.get(key)
-            return kv["value"] if kv else None
-        return self._poll(f"engine named '{name}' (key {key})", fetch, timeout)
+        return self._native.lookup_engine(name, float(timeout))
 
     def lookup(self, name: str, key: str, timeout: float = 0.0) -> bytes:
         validate_name("engine name", name)
         validate_name("key", key)
-        full = self._entry_key(name, key)
-
-        def fetch():
-            kv = self._user.get(full)
-            return kv["value"] if kv else None
-        return self._poll(f"key '{key}' of engine '{name}' (key {full})", fetch, timeout)
+        return self._native.lookup(name, key, float(timeout))
 
     def unpublish_engine(self, name: str) -> None:
         validate_name("engine name", name)
-        with self._publish_mu:
-            with self._mu:
-                if self._engines.pop(name, None) is None:
-                    raise NotFound(f"engine name '{name}' is not held by this directory")
-                self._entries = {k: v for k, v in self._entries.items() if k[0] != name}
-            self._user.delete_prefix_if_lease(self._meta_key(name), self._dir(name), self._lease)
+        self._native.unpublish_engine(name)
 
     def engines(self) -> list[str]:
-        head = self.prefix + "/engines/"
-        names = []
-        for kv in self._user.get_prefix(head, keys_only=True):
-            rest = kv["key"][len(head):]
-            if rest.endswith("/metadata") and rest.count("/") == 1:
-                names.append(rest[: -len("/metadata")])
-        return sorted(names)
+        return self._native.engines()
 
-    # --- keep-alive --------------------------------------------------------------
-
-    def _set_health(self, error) -> None:
-        with self._mu:
-            if error is None:
-                self._health = None
-            else:
-                self._health = type(error)(
-                    f"{error} (keep-alive of lease {self._lease:x} failing; lookups and "
-                    "publishing resume when the store answers)")
-
-    def _keep_alive(self) -> None:
-        period = max(self.ttl / 3.0, 0.2)
-        healthy = True
-        while not self._stop.wait(period if healthy else min(period, 0.5)):
-            try:
-                left = self._keeper_client.lease_keepalive(self._lease)
-                if left <= 0 or self._restore_pending:
-                    self._restore(new_lease=left <= 0)
-                self._set_health(None)
-                healthy = True
-            except FerryError as exc:
-                if healthy:
-                    _log.warning("%s; retrying every 0.5 s", exc)
-                self._set_health(exc)
-                healthy = False
-            except Exception as exc:  # never let the thread die silently
-                self._set_health(InternalError(f"directory keep-alive: {exc!r}"))
-                healthy = False
-
-    def _restore(self, new_lease: bool) -> None:
-        """The store lost the lease: a new one, every name claimed again and every
-        entry put back; a name someone else took meanwhile is lost."""
-        with self._publish_mu:
-            self._restore_pending = True
-            if new_lease:
-                old = self._lease
-                self._lease = self._keeper_client.lease_grant(self.ttl)
-                _log.warning("the store lost lease %x; publishing %d name(s) again under lease %x",
-                             old, len(self._engines), self._lease)
-            with self._mu:
-                engines = dict(self._engines)
-                entries = dict(self._entries)
-            for name, metadata in engines.items():
-                who = self._claim(self._keeper_client, name, metadata)
-                if who:
-                    with self._mu:
-                        self._engines.pop(name, None)
-                        self._entries = {k: v for k, v in self._entries.items() if k[0] != name}
-                        self._lost[name] = f"taken by {who} while this directory's lease was lost"
-                    continue
-                for (n, key), value in entries.items():
-                    if n == name:
-                        self._keeper_client.put_if_lease(self._meta_key(name),
-                                                         self._entry_key(name, key), value,
-                                                         self._lease)
-            self._restore_pending = False
+    def _health_error(self):
+        try:
+            self._native.health()
+        except FerryError as exc:
+            return exc
+        return None
 
     def close(self) -> None:
         """Stops the keep-alive and revokes the lease: every entry vanishes now."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * self._user.timeout + 1)
-        if self._lease:
-            try:
-                self._user.lease_revoke(self._lease)
-            except FerryError:
-                pass  # the store is gone: the lease expires on its own
+        native = getattr(self, "_native", None)
+        if native is not None:
+            native.close()
 
     def __del__(self):
         try:

@@ -35,6 +35,7 @@
 #include "ferry/engine.h"
 #include "ferry/status.h"
 #include "ferry/types.h"
+#include "directory_py.h"
 #include "gpu_copy_py.h"
 #include "status_error.h"
 #include "wait_slices.h"
@@ -1427,6 +1428,7 @@ NB_MODULE(_ferry, m) {
   m.attr("ACCESS_READ_WRITE") = int(ferry::kAccessReadWrite);
   m.attr("DESCRIPTOR_SIZE") = ferry::RemoteDescriptor::kEncodedSize;
   bind_gpu_copy(m);
+  bind_directory(m);
 
   m.def("_set_error_classes", [](nb::dict classes) {
     for (auto [k, v] : classes) {
