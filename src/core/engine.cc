@@ -241,8 +241,32 @@ class Engine::Impl {
       spdlog::log(level, "ferry: peer {}: {} connection lost ({}); its traffic moves to {}",
                   hex_id(peer), transport, reason.message(), describe_routes(peer));
     }
-    std::lock_guard lock(peers_mu_);
-    lost_[peer] = reason.message();
+    std::vector<PeerId> forgotten;
+    {
+      std::lock_guard lock(peers_mu_);
+      if (lost_.insert_or_assign(peer, reason.message()).second) lost_order_.push_back(peer);
+      forgotten = forget_oldest_lost_locked();
+    }
+    for (PeerId p : forgotten) transports_.forget(p);
+  }
+  // Anyone who reaches a listen port can complete a handshake under a new
+  // engine id, so what is kept about peers that went away is bounded: past
+  // kMaxLostPeers the oldest are forgotten (a call naming one then gets
+  // NotFound, "not connected", instead of PeerDisconnected).
+  std::vector<PeerId> forget_oldest_lost_locked() {
+    std::vector<PeerId> forgotten;
+    while (lost_.size() > kMaxLostPeers && !lost_order_.empty()) {
+      const PeerId oldest = lost_order_.front();
+      lost_order_.pop_front();
+      if (lost_.erase(oldest) == 0) continue;  // it came back since
+      known_.erase(oldest);
+      forgotten.push_back(oldest);
+    }
+    // Peers that came back left their entries behind: drop those now and then.
+    if (lost_order_.size() > 2 * kMaxLostPeers) {
+      std::erase_if(lost_order_, [this](PeerId p) { return !lost_.contains(p); });
+    }
+    return forgotten;
   }
 
   // "host memory over shm, peer GPU memory over cuda_ipc, local GPU with
@@ -486,6 +510,8 @@ class Engine::Impl {
   TransportSet transports_;
   std::mutex peers_mu_;
   std::map<PeerId, std::string> lost_;
+  std::deque<PeerId> lost_order_;  // the order peers were lost in (may hold stale ids)
+  static constexpr size_t kMaxLostPeers = 1024;
   std::chrono::microseconds wait_spin_{0};
   bool merge_iovs_ = true;
   std::set<PeerId> known_;

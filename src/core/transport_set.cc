@@ -190,6 +190,11 @@ void TransportSet::clear_unused(PeerId peer, std::string_view transport) {
   if (auto r = it->second.find(transport); r != it->second.end()) it->second.erase(r);
 }
 
+void TransportSet::forget(PeerId peer) {
+  std::lock_guard lock(mu_);
+  unused_.erase(peer);
+}
+
 std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
   const Running* chosen[std::size(kAllRoutes)];
   for (size_t r = 0; r < std::size(kAllRoutes); ++r) chosen[r] = pick(peer, kAllRoutes[r]);

@@ -73,6 +73,8 @@ class TransportSet {
   // host, not offered); kept for peer_transports() and logged by the caller.
   void note_unused(PeerId peer, std::string_view transport, std::string reason);
   void clear_unused(PeerId peer, std::string_view transport);
+  // Drops what is kept about a peer that went away (its reasons above).
+  void forget(PeerId peer);
   std::vector<PeerTransportInfo> describe_peer(PeerId peer) const;
 
  private:

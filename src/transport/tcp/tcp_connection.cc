@@ -233,7 +233,8 @@ void TcpTransport::on_accept(int listen_fd) {
 }
 
 bool TcpTransport::refuse_hello(Stream& s, StatusCode code, const std::string& why) {
-  spdlog::warn("ferry tcp: refusing connection from {}: {}", s.remote, why);
+  hostile_log_.log(spdlog::level::warn,
+                   fmt::format("ferry tcp: refusing connection from {}: {}", s.remote, why));
   HelloReply reply{kHelloMagic,
                    kProtocolVersion,
                    static_cast<uint16_t>(code),
@@ -251,7 +252,9 @@ bool TcpTransport::rx_hello(Stream& s) {
   const ssize_t r = ::recv(s.fd, s.head + s.head_got, sizeof(Hello) - s.head_got, 0);
   if (r <= 0) {
     if (r < 0 && (errno == EAGAIN || errno == EINTR)) return false;
-    spdlog::info("ferry tcp: connection from {} closed during the handshake", s.remote);
+    hostile_log_.log(
+        spdlog::level::info,
+        fmt::format("ferry tcp: connection from {} closed during the handshake", s.remote));
     fail_stream(s, err::PeerDisconnected("closed during handshake"));
     return false;
   }
@@ -261,8 +264,10 @@ bool TcpTransport::rx_hello(Stream& s) {
   Hello hello;
   std::memcpy(&hello, s.head, sizeof hello);
   if (hello.magic != kHelloMagic) {
-    spdlog::warn("ferry tcp: closing connection from {}: not a Ferry handshake (magic {:#010x})",
-                 s.remote, hello.magic);
+    hostile_log_.log(spdlog::level::warn,
+                     fmt::format("ferry tcp: closing connection from {}: not a Ferry handshake "
+                                 "(magic {:#010x})",
+                                 s.remote, hello.magic));
     fail_stream(s, err::ProtocolError("bad handshake magic"));
     return false;
   }
@@ -345,7 +350,9 @@ bool TcpTransport::rx_hello_metadata(Stream& s) {
   const ssize_t r = ::recv(s.fd, s.aux.data() + s.aux_got, s.aux.size() - s.aux_got, 0);
   if (r <= 0) {
     if (r < 0 && (errno == EAGAIN || errno == EINTR)) return false;
-    spdlog::info("ferry tcp: connection from {} closed during the handshake", s.remote);
+    hostile_log_.log(
+        spdlog::level::info,
+        fmt::format("ferry tcp: connection from {} closed during the handshake", s.remote));
     fail_stream(s, err::PeerDisconnected("closed during handshake"));
     return false;
   }

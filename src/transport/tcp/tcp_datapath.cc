@@ -983,7 +983,8 @@ bool TcpTransport::rx_header(Stream& s) {
   s.head_got = 0;
   std::memcpy(&s.hdr, s.head, sizeof s.hdr);
   if (Status v = validate_header(s.hdr); !v.ok()) {
-    spdlog::warn("ferry tcp: closing {}: {}", peer_name(s), v.message());
+    hostile_log_.log(spdlog::level::warn,
+                     fmt::format("ferry tcp: closing {}: {}", peer_name(s), v.message()));
     fail_stream(s, v);
     return false;
   }
@@ -1011,7 +1012,8 @@ bool TcpTransport::rx_aux(Stream& s) {
     if (s.aux_got < s.aux.size()) return true;
   }
   if (Status st = on_frame(s); !st.ok()) {
-    spdlog::warn("ferry tcp: closing {}: {}", peer_name(s), st.message());
+    hostile_log_.log(spdlog::level::warn,
+                     fmt::format("ferry tcp: closing {}: {}", peer_name(s), st.message()));
     fail_stream(s, st);
     return false;
   }

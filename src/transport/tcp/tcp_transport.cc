@@ -342,6 +342,7 @@ void Worker::expire_handshakes() {
     handshaking_.store(waiting);
   }
   for (auto& s : expired) transport_.expire_handshake(*s);
+  transport_.flush_hostile_log();
 }
 
 // ------------------------------------------------------------- lifecycle ---
@@ -532,6 +533,10 @@ void TcpTransport::fail_stream(Stream& s, const Status& reason) {
     } else if (in_flight == 0 && reason.code() == StatusCode::kPeerDisconnected) {
       // A peer that went away with nothing in flight (it exited, say).
       spdlog::info("ferry tcp: {} (no operation was in flight)", status.message());
+    } else if (in_flight == 0 && reason.code() == StatusCode::kProtocolError) {
+      // Whoever found the bad input logged it (rate-limited): so is this.
+      hostile_log_.log(spdlog::level::warn,
+                       fmt::format("ferry tcp: {} (no operation was in flight)", status.message()));
     } else {
       spdlog::warn("ferry tcp: {} ({} operation(s) in flight fail)", status.message(), in_flight);
     }
@@ -567,10 +572,10 @@ void TcpTransport::fail_stream(Stream& s, const Status& reason) {
 }
 
 void TcpTransport::expire_handshake(Stream& s) {
-  spdlog::warn(
-      "ferry tcp: closing connection from {}: no complete handshake within {} ms "
-      "(tcp.connect_timeout_ms)",
-      s.remote, opt_.connect_timeout.count());
+  hostile_log_.log(spdlog::level::warn,
+                   fmt::format("ferry tcp: closing connection from {}: no complete handshake "
+                               "within {} ms (tcp.connect_timeout_ms)",
+                               s.remote, opt_.connect_timeout.count()));
   fail_stream(s, err::Timeout("handshake timed out"));
   close_stream(s);
 }

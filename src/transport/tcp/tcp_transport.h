@@ -27,6 +27,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/log_limiter.h"
 #include "core/stage_trace.h"
 #include "transport/common/gpu_staging.h"
 #include "transport/tcp/iov_cursor.h"
@@ -269,6 +270,11 @@ class Worker {
   std::vector<uint8_t> discard_;
 };
 
+// At most this many lines about hostile connections per window, one
+// summary for the rest.
+constexpr uint32_t kHostileLogBurst = 5;
+constexpr std::chrono::milliseconds kHostileLogWindow{10000};
+
 class TcpTransport final : public Transport {
  public:
   // "ferryN": this engine's ordinal in the process, prefix of its thread names.
@@ -306,6 +312,7 @@ class TcpTransport final : public Transport {
   void fail_stream(Stream& s, const Status& reason);
   // An accepted stream sent no complete Hello within tcp.connect_timeout_ms.
   void expire_handshake(Stream& s);
+  void flush_hostile_log() { hostile_log_.flush_due(); }
   // Drops the stream's hold on revoked regions: the rest of a WRITE arriving
   // into one is discarded, the unsent rest of a frame sent from one is copied
   // out. Owning worker only.
@@ -428,6 +435,11 @@ class TcpTransport final : public Transport {
   std::shared_ptr<TraceLog> trace_log_;  // tcp.trace on: where finished traces go
   // Requests queued behind a cancel fence (counters()).
   std::atomic<uint64_t> fence_held_requests_{0};
+  // Lines about connections closed for bad input or a handshake never
+  // finished: anyone who reaches the port can cause them, so they are
+  // rate-limited (docs/reliability.md, "Hostile input").
+  LogLimiter hostile_log_{"ferry tcp: connections closed for bad input or an unfinished handshake",
+                          kHostileLogBurst, kHostileLogWindow};
 };
 
 }  // namespace ferry::tcp
