@@ -34,7 +34,7 @@ install(TARGETS ferry EXPORT ferryTargets
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/ferry
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
   COMPONENT ferry_dev
-  FILES_MATCHING PATTERN "*.h")
+  FILES_MATCHING PATTERN "*.h" PATTERN "*.cuh")
 
 install(EXPORT ferryTargets
   NAMESPACE ferry::

@@ -37,6 +37,7 @@
 #include "ferry/types.h"
 #include "directory_py.h"
 #include "gpu_copy_py.h"
+#include "symmetric_py.h"
 #include "status_error.h"
 #include "wait_slices.h"
 
@@ -1429,6 +1430,7 @@ NB_MODULE(_ferry, m) {
   m.attr("DESCRIPTOR_SIZE") = ferry::RemoteDescriptor::kEncodedSize;
   bind_gpu_copy(m);
   bind_directory(m);
+  bind_symmetric(m);
 
   m.def("_set_error_classes", [](nb::dict classes) {
     for (auto [k, v] : classes) {

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the 2-GPU device machine, in one command: build the symmetric-memory test,
+# the device-API bench and the Python module; run the GPU tests (gpu.Symmetric*),
+# the Python tests (tests/python/test_symmetric.py), ferry-device-api-bench
+# (ping-pong, put bandwidth vs the copy engine) and moe_bench.py (dispatch /
+# combine vs NCCL all_to_all_single and torch symm_mem all_to_all_vdev).
+# Logs and JSON lines go to $OUT (default /tmp/out).
+#   run(kind="nvidia-h100-x2", carry=[".dev/devapi", ".devcarry/root"],
+#       command="cd .dev/devapi && ln -sfn ../../.devcarry .devcarry && bench/device_api/run.sh")
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
+O=${OUT:-/tmp/out}
+mkdir -p "$O"
+B=${BUILD:-/tmp/b-devapi}
+PY=$(command -v "${PYTHON:-python3}")
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+t0=$SECONDS
+{ nvidia-smi -L; nvidia-smi topo -m; git log --oneline -1 2>/dev/null; echo "python $PY";
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
+  > "$O/machine.txt" 2>&1
+cat "$O/machine.txt"
+BUILD=$B TARGETS="ferry_symmetric_test ferry-device-api-bench ferry_python_devtree" \
+  bench/device/build.sh -DFERRY_BUILD_PYTHON=ON -DFERRY_BUILD_TOOLS=OFF -DPython_EXECUTABLE="$PY" \
+  > "$O/build.txt" 2>&1 || { echo "BUILD FAILED"; tail -60 "$O/build.txt"; tail -20 "$B.cmake.log"; exit 1; }
+echo "built in $((SECONDS - t0)) s"
+export LD_LIBRARY_PATH=$PWD/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+rc=0
+(cd "$B" && timeout 240 ctest -R "gpu\.Symmetric" --output-on-failure) 2>&1 | tee "$O/gtest.txt" || rc=1
+echo "gtest done at $((SECONDS - t0)) s"
+timeout 120 "$B/tests/gpu/ferry-device-api-bench" --json "$O/device_api.jsonl" 2>&1 | tee "$O/device_api_bench.txt" || rc=1
+export FERRY_PYTHONPATH=$B/python PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
+timeout 150 "$PY" bench/device_api/moe_bench.py --iters "${ITERS:-50}" --json "$O/moe.jsonl" 2>&1 | tee "$O/moe_bench.txt" || rc=1
+echo "benches done at $((SECONDS - t0)) s"
+timeout 120 "$PY" -m pytest -q -x tests/python/test_symmetric.py 2>&1 | tail -30 | tee "$O/pytest.txt" || rc=1
+echo "all done at $((SECONDS - t0)) s, rc $rc"
+exit $rc

@@ -1,0 +1,220 @@
+// MoeExchange (include/ferry/moe.h): checks, the buffer layout, the local
+// workspace and the per-call round numbers of the dispatch/combine kernels.
+#include <cuda_runtime_api.h>
+
+#include <utility>
+
+#include "cuda/cuda_util.h"
+#include "ferry/moe.h"
+#include "fmt/format.h"
+#include "symmetric/moe_kernels.h"
+
+namespace ferry {
+namespace {
+
+using cuda::cuda_status;
+
+uint64_t align_up(uint64_t v, uint64_t a) {
+  return (v + a - 1) / a * a;
+}
+
+Status check_config(const MoeConfig& c, int members) {
+  if (members < 1) return err::InvalidArgument(fmt::format("moe: {} members", members));
+  if (c.max_tokens < 1) {
+    return err::InvalidArgument(fmt::format("moe: max_tokens is {}, must be >= 1", c.max_tokens));
+  }
+  if (c.hidden < 8 || c.hidden % 8 != 0) {
+    return err::InvalidArgument(fmt::format(
+        "moe: hidden is {}, must be a positive multiple of 8 (rows of whole 16-byte vectors)",
+        c.hidden));
+  }
+  if (c.top_k < 1 || c.top_k > 32) {
+    return err::InvalidArgument(fmt::format("moe: top_k is {}, must be in [1, 32]", c.top_k));
+  }
+  if (c.experts_per_rank < 1) {
+    return err::InvalidArgument(
+        fmt::format("moe: experts_per_rank is {}, must be >= 1", c.experts_per_rank));
+  }
+  if (c.sm_count < 0) {
+    return err::InvalidArgument(fmt::format("moe: sm_count is {}, must be >= 0", c.sm_count));
+  }
+  if (static_cast<uint64_t>(c.max_tokens) * members >= (1ull << 31)) {
+    return err::InvalidArgument("moe: max_tokens x members must stay below 2^31");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<MoeLayout> moe_layout(const MoeConfig& c, int members) {
+  if (Status s = check_config(c, members); !s.ok()) return s;
+  const uint64_t E = static_cast<uint64_t>(c.experts_per_rank), W = static_cast<uint64_t>(members);
+  const uint64_t T = static_cast<uint64_t>(c.max_tokens), H = static_cast<uint64_t>(c.hidden);
+  MoeLayout l;
+  l.recv_x_offset = 0;
+  l.recv_src_offset = align_up(E * W * T * H * 2, 256);
+  l.combine_offset = align_up(l.recv_src_offset + E * W * T * 4, 256);
+  l.data_bytes = l.combine_offset + W * E * T * H * 2;
+  l.signal_slots = static_cast<uint32_t>(2 * E * W + W * E);
+  return l;
+}
+
+struct MoeExchange::Impl {
+  SymmetricMemory* memory = nullptr;
+  MoeConfig config;
+  MoeLayout layout;
+  int blocks = 0;
+  void* workspace = nullptr;
+  int32_t* slot_counter = nullptr;
+  int32_t* slot_of = nullptr;
+  int32_t* recv_count = nullptr;
+  unsigned long long* dispatch_done = nullptr;
+  unsigned long long* combine_done = nullptr;
+  uint64_t dispatch_round = 0;
+  uint64_t combine_round = 0;
+
+  ~Impl() {
+    if (workspace != nullptr) {
+      cuda::DeviceGuard guard(memory->device());
+      cudaFree(workspace);
+      cudaGetLastError();
+    }
+  }
+
+  symmetric::MoeKernelArgs args(const int64_t* topk_idx, int num_tokens) const {
+    symmetric::MoeKernelArgs a{};
+    a.team = memory->team();
+    a.num_tokens = num_tokens;
+    a.hidden = config.hidden;
+    a.top_k = config.top_k;
+    a.experts_per_rank = config.experts_per_rank;
+    a.max_tokens = config.max_tokens;
+    a.recv_x_offset = layout.recv_x_offset;
+    a.recv_src_offset = layout.recv_src_offset;
+    a.combine_offset = layout.combine_offset;
+    a.count_slot = 0;
+    a.flag_slot = static_cast<uint32_t>(2 * config.experts_per_rank * memory->size());
+    a.topk_idx = topk_idx;
+    a.slot_counter = slot_counter;
+    a.slot_of = slot_of;
+    a.recv_count = recv_count;
+    return a;
+  }
+
+  Status check_tokens(int num_tokens) const {
+    if (num_tokens < 0 || num_tokens > config.max_tokens) {
+      return err::InvalidArgument(
+          fmt::format("moe: num_tokens is {}, must be in [0, {}]", num_tokens, config.max_tokens));
+    }
+    return Status::Ok();
+  }
+};
+
+MoeExchange::MoeExchange(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+MoeExchange::~MoeExchange() = default;
+
+Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory& memory,
+                                                         const MoeConfig& config) {
+  if (!memory.joined()) return err::InvalidArgument("moe: join() the symmetric memory first");
+  auto layout = moe_layout(config, memory.size());
+  if (!layout.ok()) return layout.status();
+  if (memory.data_bytes() < layout->data_bytes || memory.signal_slots() < layout->signal_slots) {
+    return err::InvalidArgument(fmt::format(
+        "moe: the symmetric memory has {} data bytes and {} signal slots; this configuration "
+        "needs {} and {} (moe_layout)",
+        memory.data_bytes(), memory.signal_slots(), layout->data_bytes, layout->signal_slots));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->memory = &memory;
+  impl->config = config;
+  impl->layout = *layout;
+  cuda::DeviceGuard guard(memory.device());
+  int sms = 0;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, memory.device());
+      e != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_status(e, "moe: cudaDeviceGetAttribute(multiprocessor count)");
+  }
+  impl->blocks = config.sm_count == 0 ? sms : std::min(config.sm_count, sms);
+  const uint64_t experts = static_cast<uint64_t>(memory.size()) * config.experts_per_rank;
+  const uint64_t slot_of = static_cast<uint64_t>(config.max_tokens) * config.top_k;
+  const uint64_t recv = static_cast<uint64_t>(config.experts_per_rank) * memory.size();
+  const uint64_t bytes = 16 + 4 * (experts + slot_of + recv) + 16;
+  if (cudaError_t e = cudaMalloc(&impl->workspace, bytes); e != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_status(e, "moe: cudaMalloc(workspace)");
+  }
+  if (cudaError_t e = cudaMemset(impl->workspace, 0, bytes); e != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_status(e, "moe: cudaMemset(workspace)");
+  }
+  auto* base = static_cast<uint8_t*>(impl->workspace);
+  impl->dispatch_done = reinterpret_cast<unsigned long long*>(base);
+  impl->combine_done = reinterpret_cast<unsigned long long*>(base + 8);
+  impl->slot_counter = reinterpret_cast<int32_t*>(base + 16);
+  impl->slot_of = impl->slot_counter + experts;
+  impl->recv_count = impl->slot_of + slot_of;
+  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_status(e, "moe: cudaDeviceSynchronize");
+  }
+  return std::unique_ptr<MoeExchange>(new MoeExchange(std::move(impl)));
+}
+
+Status MoeExchange::dispatch(const void* x, const int64_t* topk_idx, int num_tokens, void* stream) {
+  Impl& m = *impl_;
+  if (Status s = m.check_tokens(num_tokens); !s.ok()) return s;
+  if (num_tokens > 0 && (x == nullptr || topk_idx == nullptr)) {
+    return err::InvalidArgument("moe: dispatch of tokens without x or topk_idx");
+  }
+  symmetric::MoeKernelArgs a = m.args(topk_idx, num_tokens);
+  a.x = x;
+  a.round = ++m.dispatch_round;
+  a.blocks_done = m.dispatch_done;
+  a.blocks_done_target = static_cast<unsigned long long>(a.round) * m.blocks;
+  cuda::DeviceGuard guard(m.memory->device());
+  return cuda_status(symmetric::launch_dispatch(a, m.blocks, static_cast<cudaStream_t>(stream)),
+                     "moe: dispatch kernel launch");
+}
+
+Status MoeExchange::combine(const void* y, const int64_t* topk_idx, const float* topk_weights,
+                            int num_tokens, void* out, void* stream) {
+  Impl& m = *impl_;
+  if (Status s = m.check_tokens(num_tokens); !s.ok()) return s;
+  if (m.combine_round >= m.dispatch_round) {
+    return err::InvalidArgument("moe: combine() needs a dispatch() before it");
+  }
+  if (y == nullptr) return err::InvalidArgument("moe: combine without y");
+  if (num_tokens > 0 && (topk_idx == nullptr || topk_weights == nullptr || out == nullptr)) {
+    return err::InvalidArgument("moe: combine of tokens without topk_idx, topk_weights or out");
+  }
+  symmetric::MoeKernelArgs a = m.args(topk_idx, num_tokens);
+  a.y = y;
+  a.topk_weights = topk_weights;
+  a.out = out;
+  a.round = ++m.combine_round;
+  a.blocks_done = m.combine_done;
+  a.blocks_done_target = static_cast<unsigned long long>(a.round) * m.blocks;
+  cuda::DeviceGuard guard(m.memory->device());
+  return cuda_status(symmetric::launch_combine(a, m.blocks, static_cast<cudaStream_t>(stream)),
+                     "moe: combine kernel launch");
+}
+
+const MoeConfig& MoeExchange::config() const {
+  return impl_->config;
+}
+const MoeLayout& MoeExchange::layout() const {
+  return impl_->layout;
+}
+void* MoeExchange::recv_x() const {
+  return static_cast<uint8_t*>(impl_->memory->local_data()) + impl_->layout.recv_x_offset;
+}
+int32_t* MoeExchange::recv_src() const {
+  return reinterpret_cast<int32_t*>(static_cast<uint8_t*>(impl_->memory->local_data()) +
+                                    impl_->layout.recv_src_offset);
+}
+int32_t* MoeExchange::recv_count() const {
+  return impl_->recv_count;
+}
+
+}  // namespace ferry

@@ -1,0 +1,20 @@
+// Launchers of the small kernels behind SymmetricMemory's host-posted
+// operations (symmetric_ops.cu). CUDA C++17: no ferry/status.h here.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+#include "ferry/device_team.h"
+
+namespace ferry::symmetric {
+
+cudaError_t launch_signal(const DeviceTeam& team, int peer, uint32_t slot, uint64_t value, bool add,
+                          cudaStream_t stream);
+cudaError_t launch_wait(const DeviceTeam& team, uint32_t slot, uint64_t at_least,
+                        uint64_t timeout_ns, cudaStream_t stream);
+// Every member sets its slot on every member to `epoch`, then waits for all
+// members' slots to reach it (reserved slots [signal_slots, signal_slots + size)).
+cudaError_t launch_barrier(const DeviceTeam& team, uint64_t epoch, cudaStream_t stream);
+
+}  // namespace ferry::symmetric
