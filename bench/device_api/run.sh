@@ -25,7 +25,7 @@ BUILD=$B TARGETS="ferry_symmetric_test ferry-device-api-bench ferry_python_devtr
 echo "built in $((SECONDS - t0)) s"
 export LD_LIBRARY_PATH=$PWD/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 rc=0
-(cd "$B" && timeout 240 ctest -R "gpu\.Symmetric" --output-on-failure) 2>&1 | tee "$O/gtest.txt" || rc=1
+(cd "$B" && timeout 200 ctest -R "gpu\.Symmetric" --timeout 60 --output-on-failure) 2>&1 | tee "$O/gtest.txt" || rc=1
 echo "gtest done at $((SECONDS - t0)) s"
 timeout 120 "$B/tests/gpu/ferry-device-api-bench" --json "$O/device_api.jsonl" 2>&1 | tee "$O/device_api_bench.txt" || rc=1
 export FERRY_PYTHONPATH=$B/python PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}

@@ -66,7 +66,7 @@ struct MoeExchange::Impl {
   int blocks = 0;
   void* workspace = nullptr;
   int32_t* slot_counter = nullptr;
-  int32_t* slot_of = nullptr;
+  unsigned long long* slot_of = nullptr;
   int32_t* recv_count = nullptr;
   unsigned long long* dispatch_done = nullptr;
   unsigned long long* combine_done = nullptr;
@@ -139,7 +139,7 @@ Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory& memory
   const uint64_t experts = static_cast<uint64_t>(memory.size()) * config.experts_per_rank;
   const uint64_t slot_of = static_cast<uint64_t>(config.max_tokens) * config.top_k;
   const uint64_t recv = static_cast<uint64_t>(config.experts_per_rank) * memory.size();
-  const uint64_t bytes = 16 + 4 * (experts + slot_of + recv) + 16;
+  const uint64_t bytes = 16 + 8 * slot_of + 4 * (experts + recv) + 16;
   if (cudaError_t e = cudaMalloc(&impl->workspace, bytes); e != cudaSuccess) {
     cudaGetLastError();
     return cuda_status(e, "moe: cudaMalloc(workspace)");
@@ -151,9 +151,9 @@ Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory& memory
   auto* base = static_cast<uint8_t*>(impl->workspace);
   impl->dispatch_done = reinterpret_cast<unsigned long long*>(base);
   impl->combine_done = reinterpret_cast<unsigned long long*>(base + 8);
-  impl->slot_counter = reinterpret_cast<int32_t*>(base + 16);
-  impl->slot_of = impl->slot_counter + experts;
-  impl->recv_count = impl->slot_of + slot_of;
+  impl->slot_of = reinterpret_cast<unsigned long long*>(base + 16);
+  impl->slot_counter = reinterpret_cast<int32_t*>(impl->slot_of + slot_of);
+  impl->recv_count = impl->slot_counter + experts;
   if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
     cudaGetLastError();
     return cuda_status(e, "moe: cudaDeviceSynchronize");

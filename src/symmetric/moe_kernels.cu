@@ -54,6 +54,54 @@ __device__ bool wait_all_blocks(const MoeKernelArgs& a) {
   }
 }
 
+__device__ __forceinline__ unsigned long long load_acquire_gpu_u64(const unsigned long long* p) {
+  return load_acquire_gpu(p);
+}
+
+// How many warps share one row: with few rows, a row is split so that every
+// warp has work and each moves a few 16-byte vectors per lane (latency, not
+// bandwidth, is what a small call pays); with many rows, one warp per row.
+__device__ __forceinline__ int chunks_per_row(uint64_t row_vectors, int rows, int warps) {
+  const int most = static_cast<int>((row_vectors + 31) / 32);
+  if (rows <= 0) return 1;
+  const int fit = warps / rows;
+  return fit < 1 ? 1 : (fit < most ? fit : most);
+}
+
+// Vectors [first, end) of a row for chunk `c` of `chunks`: whole 32-vector
+// groups, so that every lane of a warp runs the same iterations.
+__device__ __forceinline__ void chunk_range(uint64_t row_vectors, int chunks, int c,
+                                            uint64_t* first, uint64_t* end) {
+  const uint64_t groups = (row_vectors + 31) / 32;
+  const uint64_t per = (groups + chunks - 1) / chunks;
+  *first = per * 32 * static_cast<uint64_t>(c);
+  const uint64_t e = *first + per * 32;
+  *end = e < row_vectors ? e : row_vectors;
+  if (*first > *end) *first = *end;
+}
+
+// The slot of (token, k) in its expert's receive block, the same for every
+// warp that copies a chunk of the row: the first one claims it (CAS on a word
+// tagged with this call's round), takes the next slot of the expert, and
+// publishes it; the others wait for it.
+__device__ int claim_slot(unsigned long long* word, uint64_t round, int* counter) {
+  const unsigned long long busy = (static_cast<unsigned long long>(round) << 32) | 0xffffffffull;
+  for (;;) {
+    const unsigned long long v = load_acquire_gpu_u64(word);
+    if ((v >> 32) == round) {
+      if ((v & 0xffffffffull) != 0xffffffffull) return static_cast<int>(v & 0xffffffffull);
+      continue;  // another warp is taking it
+    }
+    if (atomicCAS(word, v, busy) == v) {
+      const int slot = atomicAdd(counter, 1);
+      const unsigned long long mine =
+          (static_cast<unsigned long long>(round) << 32) | static_cast<unsigned int>(slot);
+      asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(word), "l"(mine) : "memory");
+      return slot;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKernelArgs a) {
   const DeviceTeam& team = a.team;
   const int lane = static_cast<int>(threadIdx.x & 31u);
@@ -66,28 +114,32 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   const auto* x = static_cast<const int4*>(a.x);
   const int items = a.num_tokens * K;
 
-  // 1. send every (token, k) copy.
-  for (int item = gw; item < items; item += warps) {
+  // 1. send every (token, k) copy, split into chunks when rows are few.
+  const int chunks = chunks_per_row(row_vectors, items, warps);
+  for (int w = gw; w < items * chunks; w += warps) {
+    const int item = w / chunks, c = w % chunks;
     const int t = item / K;
     const int64_t e = a.topk_idx[item];
     int slot = -1;
     if (lane == 0) {
       if (e >= 0 && e < experts) {
-        slot = atomicAdd(&a.slot_counter[e], 1);
-      } else if (e >= experts) {
+        slot = claim_slot(&a.slot_of[item], a.round, &a.slot_counter[e]);
+      } else if (e >= experts && c == 0) {
         device::record_error(team, kDeviceErrorBadPeer, static_cast<int>(e / E), 0,
                              static_cast<uint64_t>(experts), static_cast<uint64_t>(e));
       }
-      a.slot_of[item] = slot;
     }
     slot = __shfl_sync(0xffffffffu, slot, 0);
     if (slot < 0) continue;
     const int dst = static_cast<int>(e) / E, le = static_cast<int>(e) % E;
     const uint64_t row = (static_cast<uint64_t>(le) * W + me) * a.max_tokens + slot;
     uint8_t* base = team.data[dst];
-    device::copy_vectors<true>(reinterpret_cast<int4*>(base + a.recv_x_offset + row * row_bytes),
-                               x + static_cast<uint64_t>(t) * row_vectors, row_vectors, lane, 32);
-    if (lane == 0) reinterpret_cast<int32_t*>(base + a.recv_src_offset)[row] = t;
+    uint64_t first = 0, end = 0;
+    chunk_range(row_vectors, chunks, c, &first, &end);
+    device::copy_vectors<true>(
+        reinterpret_cast<int4*>(base + a.recv_x_offset + row * row_bytes) + first,
+        x + static_cast<uint64_t>(t) * row_vectors + first, end - first, lane, 32);
+    if (lane == 0 && c == 0) reinterpret_cast<int32_t*>(base + a.recv_src_offset)[row] = t;
   }
   block_sends_done(a);
 
@@ -123,24 +175,30 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
   const auto* y = static_cast<const int4*>(a.y);
   const auto* recv_src = reinterpret_cast<const int32_t*>(team.data[me] + a.recv_src_offset);
 
-  // 1. send each returned row to the member its token came from. Rows of
-  // consecutive (expert, source) blocks continue the warp rotation, so the
-  // load spreads evenly whatever the counts.
+  // 1. send each returned row to the member its token came from (in chunks
+  // when rows are few). Rows of consecutive (expert, source) blocks continue
+  // the warp rotation, so the load spreads evenly whatever the counts.
+  int rows = 0;
+  for (int p = 0; p < E * W; ++p) rows += (p % W) == me ? 0 : a.recv_count[p];
+  const int chunks = chunks_per_row(row_vectors, rows, warps);
   int rotation = 0;
   for (int p = 0; p < E * W; ++p) {
     const int src = p % W, le = p / W;
     if (src == me) continue;  // read in place by this member's reduction
-    const int count = a.recv_count[p];
-    const int first = ((gw - rotation) % warps + warps) % warps;
-    rotation = (rotation + count) % warps;
+    const int pieces = a.recv_count[p] * chunks;
+    const int first_piece = ((gw - rotation) % warps + warps) % warps;
+    rotation = (rotation + pieces) % warps;
     uint8_t* dst_base = team.data[src] + a.combine_offset;
     const uint64_t dst_expert = static_cast<uint64_t>(me) * E + le;
-    for (int s = first; s < count; s += warps) {
+    for (int i = first_piece; i < pieces; i += warps) {
+      const int s = i / chunks, c = i % chunks;
       const uint64_t row = static_cast<uint64_t>(p) * a.max_tokens + s;
       const int t = recv_src[row];
       const uint64_t dst_row = dst_expert * a.max_tokens + static_cast<uint64_t>(t);
-      device::copy_vectors<true>(reinterpret_cast<int4*>(dst_base + dst_row * row_bytes),
-                                 y + row * row_vectors, row_vectors, lane, 32);
+      uint64_t first = 0, end = 0;
+      chunk_range(row_vectors, chunks, c, &first, &end);
+      device::copy_vectors<true>(reinterpret_cast<int4*>(dst_base + dst_row * row_bytes) + first,
+                                 y + row * row_vectors + first, end - first, lane, 32);
     }
   }
   block_sends_done(a);
@@ -158,10 +216,16 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
   // 3. one warp per token: wait for its remote experts, then the weighted sum.
   const auto* combined = reinterpret_cast<const int4*>(team.data[me] + a.combine_offset);
   auto* out = static_cast<int4*>(a.out);
-  for (int t = gw; t < a.num_tokens; t += warps) {
+  const int out_chunks = chunks_per_row(row_vectors, a.num_tokens, warps);
+  for (int w = gw; w < a.num_tokens * out_chunks; w += warps) {
+    const int t = w / out_chunks;
+    uint64_t first = 0, end = 0;
+    chunk_range(row_vectors, out_chunks, w % out_chunks, &first, &end);
     // Lane k holds the k-th choice: where its row is and its weight.
     const int64_t e = lane < K ? a.topk_idx[static_cast<uint64_t>(t) * K + lane] : -1;
-    const int slot = lane < K ? a.slot_of[static_cast<uint64_t>(t) * K + lane] : -1;
+    const int slot =
+        lane < K ? static_cast<int>(a.slot_of[static_cast<uint64_t>(t) * K + lane] & 0xffffffffull)
+                 : -1;
     const float weight = lane < K ? a.topk_weights[static_cast<uint64_t>(t) * K + lane] : 0.f;
     const int4* src_row = nullptr;
     if (e >= 0 && slot >= 0) {
@@ -176,9 +240,9 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     __syncwarp();
     // Every lane runs every iteration (the shuffles need the whole warp); lanes
     // past the row's end only skip the loads and the store.
-    for (uint64_t base = 0; base < row_vectors; base += 32) {
+    for (uint64_t base = first; base < end; base += 32) {
       const uint64_t v = base + static_cast<uint64_t>(lane);
-      const bool mine = v < row_vectors;
+      const bool mine = v < end;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int k = 0; k < K; ++k) {
         const int4* r = reinterpret_cast<const int4*>(
@@ -206,6 +270,12 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
 }
 
 }  // namespace
+
+cudaError_t preload_moe_kernels() {
+  cudaFuncAttributes attr;
+  if (cudaError_t e = cudaFuncGetAttributes(&attr, dispatch_kernel); e != cudaSuccess) return e;
+  return cudaFuncGetAttributes(&attr, combine_kernel);
+}
 
 cudaError_t launch_dispatch(const MoeKernelArgs& args, int blocks, cudaStream_t stream) {
   dispatch_kernel<<<blocks, kMoeThreadsPerBlock, 0, stream>>>(args);

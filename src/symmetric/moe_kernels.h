@@ -23,8 +23,9 @@ struct MoeKernelArgs {
   uint32_t flag_slot;   // first of size x experts_per_rank combine flags
   const int64_t* topk_idx;
   // Workspace, local to this member.
-  int32_t* slot_counter;            // [global experts], zero between calls
-  int32_t* slot_of;                 // [max_tokens * top_k]: the slot each (token, k) got
+  int32_t* slot_counter;  // [global experts], zero between calls
+  // [max_tokens * top_k]: round << 32 | the slot each (token, k) got this round
+  unsigned long long* slot_of;
   int32_t* recv_count;              // [experts_per_rank * size]
   unsigned long long* blocks_done;  // monotonic; a block adds 1 when its sends are out
   uint64_t round;  // 1, 2, ...: this call's number (dispatch and combine count apart)
@@ -40,5 +41,7 @@ struct MoeKernelArgs {
 cudaError_t launch_dispatch(const MoeKernelArgs& args, int blocks, cudaStream_t stream);
 cudaError_t launch_combine(const MoeKernelArgs& args, int blocks, cudaStream_t stream);
 constexpr int kMoeThreadsPerBlock = 512;
+// Loads both kernels now (see preload_kernels in symmetric_kernels.h).
+cudaError_t preload_moe_kernels();
 
 }  // namespace ferry::symmetric

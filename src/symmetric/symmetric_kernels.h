@@ -16,5 +16,10 @@ cudaError_t launch_wait(const DeviceTeam& team, uint32_t slot, uint64_t at_least
 // Every member sets its slot on every member to `epoch`, then waits for all
 // members' slots to reach it (reserved slots [signal_slots, signal_slots + size)).
 cudaError_t launch_barrier(const DeviceTeam& team, uint64_t epoch, cudaStream_t stream);
+// Loads the kernels now (cudaFuncGetAttributes). With CUDA's lazy loading a
+// kernel is loaded at its first launch, which may wait for the kernels
+// running: a wait kernel spinning for a signal that kernel is to send would
+// never end.
+cudaError_t preload_kernels();
 
 }  // namespace ferry::symmetric

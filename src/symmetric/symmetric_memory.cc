@@ -206,6 +206,10 @@ Result<std::unique_ptr<SymmetricMemory>> SymmetricMemory::create(const Symmetric
     cudaGetLastError();
     return cuda_status(e, "symmetric: cudaStreamCreateWithFlags");
   }
+  if (cudaError_t e = symmetric::preload_kernels(); e != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_status(e, "symmetric: loading the kernels");
+  }
   auto exported = cuda_ipc::export_memory(impl->buffer, impl->alloc_bytes);
   if (!exported.ok()) return exported.status();
   if (exported->grant.kind != cuda_ipc::HandleKind::kLegacy || !exported->fds.empty()) {

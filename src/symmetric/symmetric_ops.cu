@@ -1,6 +1,7 @@
 // The host-posted operations of SymmetricMemory as one-block kernels built on
 // the device API itself, so host and device calls have the same semantics.
 #include "ferry/device.cuh"
+#include "symmetric/moe_kernels.h"
 #include "symmetric/symmetric_kernels.h"
 
 namespace ferry::symmetric {
@@ -42,6 +43,16 @@ cudaError_t launch_wait(const DeviceTeam& team, uint32_t slot, uint64_t at_least
                         uint64_t timeout_ns, cudaStream_t stream) {
   wait_kernel<<<1, 1, 0, stream>>>(team, slot, at_least, timeout_ns);
   return cudaGetLastError();
+}
+
+cudaError_t preload_kernels() {
+  cudaFuncAttributes attr;
+  for (const void* k :
+       {reinterpret_cast<const void*>(&signal_kernel), reinterpret_cast<const void*>(&wait_kernel),
+        reinterpret_cast<const void*>(&barrier_kernel)}) {
+    if (cudaError_t e = cudaFuncGetAttributes(&attr, k); e != cudaSuccess) return e;
+  }
+  return preload_moe_kernels();
 }
 
 cudaError_t launch_barrier(const DeviceTeam& team, uint64_t epoch, cudaStream_t stream) {

@@ -116,6 +116,21 @@ cudaError_t wait_one(const ferry::DeviceTeam& team, uint32_t slot, uint64_t at_l
   wait_one_kernel<<<1, 1, 0, stream>>>(team, slot, at_least, timeout_ns, result, observed);
   return cudaGetLastError();
 }
+cudaError_t preload() {
+  cudaFuncAttributes a;
+  const void* kernels[] = {reinterpret_cast<const void*>(&put_three_ways_kernel),
+                           reinterpret_cast<const void*>(&wait_three_kernel),
+                           reinterpret_cast<const void*>(&ordered_send_kernel),
+                           reinterpret_cast<const void*>(&ordered_check_kernel),
+                           reinterpret_cast<const void*>(&signal_storm_kernel),
+                           reinterpret_cast<const void*>(&wait_one_kernel),
+                           reinterpret_cast<const void*>(&bad_call_kernel)};
+  for (const void* k : kernels) {
+    if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t bad_call(const ferry::DeviceTeam& team, int which, int* result, cudaStream_t stream) {
   bad_call_kernel<<<1, 1, 0, stream>>>(team, which, result);
   return cudaGetLastError();

@@ -45,6 +45,10 @@ cudaError_t wait_one(const ferry::DeviceTeam& team, uint32_t slot, uint64_t at_l
 // One thread makes a call with a bad argument: 0 put to member `size`,
 // 1 signal on slot signal_slots + reserved_slots, 2 put past the data area.
 // *result: 1 if the call said false (as it must).
+// Loads every kernel above now: with CUDA's lazy loading, the first launch of
+// a kernel may wait for running kernels -- a deadlock when those spin for it.
+cudaError_t preload();
+
 cudaError_t bad_call(const ferry::DeviceTeam& team, int which, int* result, cudaStream_t stream);
 
 }  // namespace symtest

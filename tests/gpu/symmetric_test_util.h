@@ -15,6 +15,7 @@
 
 #include "ferry/symmetric.h"
 #include "member_group.h"
+#include "symmetric_test_kernels.h"
 
 namespace symtest {
 
@@ -150,19 +151,20 @@ inline std::unique_ptr<ferry::SymmetricMemory> make_group(const gputest::Member&
 
 // Runs `body` in two member processes (one GPU each) and reports each
 // member's failures; skips when a member says why it cannot run.
-#define RUN_MEMBERS(...)                                                   \
-  do {                                                                     \
-    auto body_fn = (__VA_ARGS__);                                          \
-    const auto reports = gputest::run_members(2, [&](gputest::Member& m) { \
-      std::string skip = symtest::need_gpus(m.size());                     \
-      if (!skip.empty()) return skip;                                      \
-      cudaSetDevice(m.rank());                                             \
-      return body_fn(m);                                                   \
-    });                                                                    \
-    for (const auto& r : reports) {                                        \
-      if (r.rfind("SKIP:", 0) == 0) GTEST_SKIP() << r;                     \
-    }                                                                      \
-    for (size_t i = 0; i < reports.size(); ++i) {                          \
-      EXPECT_EQ(reports[i], "") << "member " << i;                         \
-    }                                                                      \
+#define RUN_MEMBERS(...)                                                           \
+  do {                                                                             \
+    auto body_fn = (__VA_ARGS__);                                                  \
+    const auto reports = gputest::run_members(2, [&](gputest::Member& m) {         \
+      std::string skip = symtest::need_gpus(m.size());                             \
+      if (!skip.empty()) return skip;                                              \
+      cudaSetDevice(m.rank());                                                     \
+      if (symtest::preload() != cudaSuccess) return std::string("preload failed"); \
+      return body_fn(m);                                                           \
+    });                                                                            \
+    for (const auto& r : reports) {                                                \
+      if (r.rfind("SKIP:", 0) == 0) GTEST_SKIP() << r;                             \
+    }                                                                              \
+    for (size_t i = 0; i < reports.size(); ++i) {                                  \
+      EXPECT_EQ(reports[i], "") << "member " << i;                                 \
+    }                                                                              \
   } while (0)
