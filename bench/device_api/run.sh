@@ -34,6 +34,7 @@ if [[ ${RUN_API_BENCH:-1} == 1 ]]; then
 fi
 export FERRY_PYTHONPATH=$B/python PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
 timeout 150 "$PY" bench/device_api/moe_bench.py --iters "${ITERS:-50}" --json "$O/moe.jsonl" 2>&1 | tee "$O/moe_bench.txt" || rc=1
+"$PY" bench/device_api/plot.py "$O/moe.jsonl" -o "$O/device_api.png" > /dev/null 2>&1 || true
 echo "benches done at $((SECONDS - t0)) s"
 if [[ ${RUN_PYTEST:-1} == 1 ]]; then
   timeout 120 "$PY" -m pytest -q -x tests/python/test_symmetric.py 2>&1 | tail -30 | tee "$O/pytest.txt" || rc=1
