@@ -83,7 +83,9 @@ class SymmetricMemory {
   // (a cudaStream_t; nullptr: the legacy default stream). Arguments are
   // checked here: a bad peer, slot or range is InvalidArgument at once.
   // put: local device memory `src` -> member `peer`'s data at `dst_offset`
-  // (copy engine). signal: release, system scope, on the peer's slot.
+  // (a kernel of stores, every thread ending with quiet(), so a signal after
+  // it on the stream is ordered after every byte). signal: release, system
+  // scope, on the peer's slot.
   // wait: the stream waits (a one-thread kernel) until this member's slot is
   // >= at_least; a timeout shows in device_error().
   Status put(int peer, uint64_t dst_offset, const void* src, uint64_t bytes, void* stream);

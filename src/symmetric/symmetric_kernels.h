@@ -9,6 +9,11 @@
 
 namespace ferry::symmetric {
 
+// Copies `bytes` from local `src` to member `peer`'s data at `dst_offset` with
+// `blocks` blocks of stores (each a contiguous share), every thread ending with
+// quiet(): a signal posted after it on the stream is ordered after every byte.
+cudaError_t launch_put(const DeviceTeam& team, int peer, uint64_t dst_offset, const void* src,
+                       uint64_t bytes, int blocks, cudaStream_t stream);
 cudaError_t launch_signal(const DeviceTeam& team, int peer, uint32_t slot, uint64_t value, bool add,
                           cudaStream_t stream);
 cudaError_t launch_wait(const DeviceTeam& team, uint32_t slot, uint64_t at_least,

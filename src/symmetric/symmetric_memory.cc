@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -128,7 +129,9 @@ struct SymmetricMemory::Impl {
   uint64_t* device_arrays = nullptr;  // [size] data pointers, then [size] signal pointers
   DeviceTeam* device_team = nullptr;
   DeviceTeam team{};
-  cudaStream_t reader = nullptr;  // non-blocking: read_signal while kernels wait
+  cudaStream_t reader = nullptr;
+  uint64_t sm_count =
+      1;  // blocks of a host-posted put, at most  // non-blocking: read_signal while kernels wait
   bool joined = false;
   uint64_t barrier_epoch = 0;
 
@@ -206,6 +209,12 @@ Result<std::unique_ptr<SymmetricMemory>> SymmetricMemory::create(const Symmetric
     cudaGetLastError();
     return cuda_status(e, "symmetric: cudaStreamCreateWithFlags");
   }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1) {
+    cudaGetLastError();
+    sms = 1;
+  }
+  impl->sm_count = static_cast<uint64_t>(sms);
   if (cudaError_t e = symmetric::preload_kernels(); e != cudaSuccess) {
     cudaGetLastError();
     return cuda_status(e, "symmetric: loading the kernels");
@@ -470,14 +479,15 @@ Status SymmetricMemory::put(int peer, uint64_t dst_offset, const void* src, uint
   }
   if (bytes == 0) return Status::Ok();
   cuda::DeviceGuard guard(device());
-  auto* dst = static_cast<uint8_t*>(peer_data(peer)) + dst_offset;
-  if (cudaError_t e =
-          cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
-      e != cudaSuccess) {
-    cudaGetLastError();
-    return cuda_status(e, "symmetric: put (cudaMemcpyAsync)");
-  }
-  return Status::Ok();
+  // Stores from a kernel, each thread ending with quiet(): ordered before a
+  // later signal by the device API's own rules, as a device put is (a
+  // copy-engine copy's writes are outside the PTX memory model that the
+  // signal's release is defined by).
+  const uint64_t chunks = (bytes + (64 << 10) - 1) >> 16;
+  const int blocks = static_cast<int>(std::min<uint64_t>(chunks, impl_->sm_count));
+  return cuda_status(symmetric::launch_put(impl_->team, peer, dst_offset, src, bytes, blocks,
+                                           static_cast<cudaStream_t>(stream)),
+                     "symmetric: put kernel launch");
 }
 
 Status SymmetricMemory::signal(int peer, uint32_t slot, uint64_t value, bool add, void* stream) {

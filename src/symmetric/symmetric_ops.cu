@@ -7,6 +7,17 @@
 namespace ferry::symmetric {
 namespace {
 
+__global__ void put_kernel(DeviceTeam team, int peer, uint64_t dst_offset, const uint8_t* src,
+                           uint64_t bytes) {
+  const uint64_t per = (bytes / gridDim.x + 15) / 16 * 16;  // 16-byte multiples
+  const uint64_t first = per * blockIdx.x;
+  if (first < bytes) {
+    const uint64_t n = bytes - first < per ? bytes - first : per;
+    device::put_block(team, peer, dst_offset + first, src + first, n);
+  }
+  device::quiet();
+}
+
 __global__ void signal_kernel(DeviceTeam team, int peer, uint32_t slot, uint64_t value, bool add) {
   // Earlier work on the stream finished before this kernel started; the fence
   // makes its writes (copy-engine puts included) visible before the signal.
@@ -33,6 +44,13 @@ __global__ void barrier_kernel(DeviceTeam team, uint64_t epoch) {
 
 }  // namespace
 
+cudaError_t launch_put(const DeviceTeam& team, int peer, uint64_t dst_offset, const void* src,
+                       uint64_t bytes, int blocks, cudaStream_t stream) {
+  put_kernel<<<blocks, 512, 0, stream>>>(team, peer, dst_offset, static_cast<const uint8_t*>(src),
+                                         bytes);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_signal(const DeviceTeam& team, int peer, uint32_t slot, uint64_t value, bool add,
                           cudaStream_t stream) {
   signal_kernel<<<1, 1, 0, stream>>>(team, peer, slot, value, add);
@@ -48,7 +66,8 @@ cudaError_t launch_wait(const DeviceTeam& team, uint32_t slot, uint64_t at_least
 cudaError_t preload_kernels() {
   cudaFuncAttributes attr;
   for (const void* k :
-       {reinterpret_cast<const void*>(&signal_kernel), reinterpret_cast<const void*>(&wait_kernel),
+       {reinterpret_cast<const void*>(&put_kernel), reinterpret_cast<const void*>(&signal_kernel),
+        reinterpret_cast<const void*>(&wait_kernel),
         reinterpret_cast<const void*>(&barrier_kernel)}) {
     if (cudaError_t e = cudaFuncGetAttributes(&attr, k); e != cudaSuccess) return e;
   }

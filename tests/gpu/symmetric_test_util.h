@@ -84,10 +84,14 @@ class DeviceBuffer {
   explicit DeviceBuffer(const std::vector<uint8_t>& bytes) : n_(bytes.size()) {
     cudaMalloc(&p_, std::max<size_t>(n_, 16));
     cudaMemcpy(p_, bytes.data(), n_, cudaMemcpyHostToDevice);
+    // From pageable memory cudaMemcpy may return before its last DMA lands
+    // (on the legacy stream); work on other streams must not read it early.
+    cudaDeviceSynchronize();
   }
   explicit DeviceBuffer(size_t n) : n_(n) {
     cudaMalloc(&p_, std::max<size_t>(n_, 16));
     cudaMemset(p_, 0, std::max<size_t>(n_, 16));
+    cudaDeviceSynchronize();  // cudaMemset is asynchronous to the host
   }
   ~DeviceBuffer() { cudaFree(p_); }
   DeviceBuffer(const DeviceBuffer&) = delete;
