@@ -4,7 +4,7 @@
 # the Python tests (tests/python/test_symmetric.py), ferry-device-api-bench
 # (ping-pong, put bandwidth vs the copy engine) and moe_bench.py (dispatch /
 # combine vs NCCL all_to_all_single and torch symm_mem all_to_all_vdev).
-# Logs and JSON lines go to $OUT (default /tmp/out). RUN_API_BENCH=0 / RUN_PYTEST=0
+# Logs and JSON lines go to $OUT (default /tmp/out). RUN_API_BENCH=0 / RUN_MOE_BENCH=0 / RUN_PYTEST=0
 # leave those steps out; ITERS sets moe_bench's calls per size.
 #   run(kind="nvidia-h100-x2", carry=[".dev/devapi", ".devcarry/root"],
 #       command="cd .dev/devapi && ln -sfn ../../.devcarry .devcarry && bench/device_api/run.sh")
@@ -33,8 +33,11 @@ if [[ ${RUN_API_BENCH:-1} == 1 ]]; then
     tee "$O/device_api_bench.txt" || rc=1
 fi
 export FERRY_PYTHONPATH=$B/python PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
-timeout 150 "$PY" bench/device_api/moe_bench.py --iters "${ITERS:-50}" --json "$O/moe.jsonl" 2>&1 | tee "$O/moe_bench.txt" || rc=1
-"$PY" bench/device_api/plot.py "$O/moe.jsonl" -o "$O/device_api.png" > /dev/null 2>&1 || true
+if [[ ${RUN_MOE_BENCH:-1} == 1 ]]; then
+  timeout 150 "$PY" bench/device_api/moe_bench.py --iters "${ITERS:-50}" --json "$O/moe.jsonl" 2>&1 |
+    tee "$O/moe_bench.txt" || rc=1
+  "$PY" bench/device_api/plot.py "$O/moe.jsonl" -o "$O/device_api.png" > /dev/null 2>&1 || true
+fi
 echo "benches done at $((SECONDS - t0)) s"
 if [[ ${RUN_PYTEST:-1} == 1 ]]; then
   timeout 120 "$PY" -m pytest -q -x tests/python/test_symmetric.py 2>&1 | tail -30 | tee "$O/pytest.txt" || rc=1
