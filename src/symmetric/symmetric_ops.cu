@@ -2,6 +2,7 @@
 // the device API itself, so host and device calls have the same semantics.
 #include "ferry/device.cuh"
 #include "symmetric/moe_kernels.h"
+#include "symmetric/put_share.h"
 #include "symmetric/symmetric_kernels.h"
 
 namespace ferry::symmetric {
@@ -9,12 +10,9 @@ namespace {
 
 __global__ void put_kernel(DeviceTeam team, int peer, uint64_t dst_offset, const uint8_t* src,
                            uint64_t bytes) {
-  const uint64_t per = (bytes / gridDim.x + 15) / 16 * 16;  // 16-byte multiples
-  const uint64_t first = per * blockIdx.x;
-  if (first < bytes) {
-    const uint64_t n = bytes - first < per ? bytes - first : per;
-    device::put_block(team, peer, dst_offset + first, src + first, n);
-  }
+  uint64_t first = 0, n = 0;
+  put_share(bytes, gridDim.x, blockIdx.x, &first, &n);
+  if (n > 0) device::put_block(team, peer, dst_offset + first, src + first, n);
   device::quiet();
 }
 
