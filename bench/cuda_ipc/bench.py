@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """GPU memory between two processes of one host: Ferry (the engine's own choice
-of transport, and tcp forced) against a contiguous copy (the ceiling), a
+of transport, and tcp forced; with both GPUs visible to both processes, and as
+serving stacks launch workers, each process seeing only its own GPU: the -1GPU
+columns) against a contiguous copy (the ceiling), a
 per-block copy loop, NCCL send/recv (torch.distributed) and NIXL (UCX backend),
 all in one invocation, alternating, medians of several repetitions.
 
@@ -99,14 +101,19 @@ def workloads(smoke: bool):
 COLUMNS = {
     "Ferry": ("ferry", None),
     "Ferry tcp": ("ferry_tcp", None),
+    # Each process sees only its own GPU (CUDA_VISIBLE_DEVICES=INIT / =TARGET), as serving
+    # stacks launch their prefill and decode workers.
+    "Ferry-1GPU": ("ferry_1gpu", None),
     "NIXL": ("nixl", None),
+    "NIXL-1GPU": ("nixl_1gpu", None),
     "NCCL": ("nccl", "message"),        # one send/recv of the call's bytes
     "NCCL blocks": ("nccl_blocks", "blocks"),  # batch_isend_irecv, one p2p op per block (own pair)
     "copy": ("local", "contig"),        # one contiguous copy of the call's bytes (the ceiling)
     "copy loop": ("local", "loop"),     # one copy per block
 }
 RATIO_REFS = ["copy", "copy loop", "NCCL", "NIXL", "Ferry tcp"]
-VERIFIED = {"ferry", "ferry_tcp", "nixl", "nccl", "nccl_blocks"}
+VERIFIED = {"ferry", "ferry_tcp", "ferry_1gpu", "nixl", "nixl_1gpu", "nccl", "nccl_blocks"}
+ONE_SIDED = ("ferry", "ferry_tcp", "ferry_1gpu", "nixl", "nixl_1gpu")
 CALL_TIMEOUT = 30.0  # seconds one transfer may take before the cell counts as failed
 
 
@@ -618,7 +625,8 @@ class LocalWorker(Base):
         return {"gbps": calls * wl["slot"] / el / 1e9, "calls": calls, "seconds": el}
 
 
-WORKERS = {"ferry": FerryWorker, "ferry_tcp": FerryWorker, "nixl": NixlWorker, "nccl": NcclWorker,
+WORKERS = {"ferry": FerryWorker, "ferry_tcp": FerryWorker, "ferry_1gpu": FerryWorker,
+           "nixl": NixlWorker, "nixl_1gpu": NixlWorker, "nccl": NcclWorker,
            "nccl_blocks": NcclWorker, "local": LocalWorker}
 
 
@@ -627,7 +635,9 @@ def worker_main(group, role, cfg, conn, logpath):
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ.update(cfg["env"])
-    print(f"[{group}/{role}] pid {os.getpid()} env {cfg['env']}", flush=True)
+    os.environ.update(cfg.get("role_env", {}).get(role, {}))  # before CUDA starts: CUDA_VISIBLE_DEVICES
+    print(f"[{group}/{role}] pid {os.getpid()} env {cfg['env']} {cfg.get('role_env', {}).get(role, {})}",
+          flush=True)
     try:
         w = WORKERS[group](role, cfg)
         conn.send(("ok", w.hello()))
@@ -862,7 +872,7 @@ def main():
                  "target": {"gpu": need(lambda w: w["mem"] == "gpu")}},
         "local": {"local": {**init_sizes, "tgt": tgt_size}},
     }
-    sizes["ferry_tcp"] = sizes["ferry"]
+    sizes["ferry_tcp"] = sizes["ferry_1gpu"] = sizes["nixl_1gpu"] = sizes["ferry"]
     sizes["nccl_blocks"] = sizes["nccl"]
     log("buffers: initiator " + ", ".join(f"{k} {fmt_size(v)}" for k, v in init_sizes.items()) +
         f"; target GPU {fmt_size(tgt_size)} (per engine pair)")
@@ -880,6 +890,12 @@ def main():
         "nccl_blocks": dict(base_cfg, nccl_port=free_port(), env=nccl_env),
         "local": dict(base_cfg),
     }
+    # One GPU visible per process: each side's GPU is its device 0.
+    one_gpu = dict(dev_init=0, dev_target=0,
+                   role_env={"initiator": {"CUDA_VISIBLE_DEVICES": str(dev_init)},
+                             "target": {"CUDA_VISIBLE_DEVICES": str(dev_target)}})
+    group_cfg["ferry_1gpu"] = dict(group_cfg["ferry"], **one_gpu)
+    group_cfg["nixl_1gpu"] = dict(group_cfg["nixl"], **one_gpu)
     for g, c in group_cfg.items():
         c["sizes"] = sizes[g]
 
@@ -891,6 +907,8 @@ def main():
         g = COLUMNS[c][0]
         if g.startswith("nccl") and smoke and not have_torch:
             not_run[c] = "--cpu-smoke: NCCL needs GPUs (and gloo, its stand-in here, needs torch)"
+        elif g.endswith("_1gpu") and (smoke or dev_init == dev_target):
+            not_run[c] = "not run: one GPU visible per process needs two GPUs"
         elif g.startswith("nccl") and dev_init == dev_target and not smoke:
             not_run[c] = ("not run: needs 2 GPUs (NCCL cannot send/recv between two ranks on the same "
                           "GPU: ncclInvalidUsage, 'Duplicate GPU detected')")
@@ -925,7 +943,7 @@ def main():
                 if not ok_kinds:
                     raise WorkerError("; ".join(refused.values()))
                 probe["mem"] = ok_kinds[0]
-                if g in ("ferry", "ferry_tcp", "nixl"):
+                if g in ONE_SIDED:
                     grp.transports = grp.workers["initiator"].call("connect", grp.hello["target"])
                     grp.workers["initiator"].call("once", probe, timeout=120)
                 elif g.startswith("nccl"):
@@ -946,7 +964,7 @@ def main():
                 log(f"{g}: NOT RUN: {e}")
                 grp.stop()
 
-        for g in ("ferry", "ferry_tcp"):
+        for g in ("ferry", "ferry_tcp", "ferry_1gpu"):
             if g in transports:
                 log(f"{g}: {describe_transports(transports[g])}")
 
@@ -1013,6 +1031,9 @@ def main():
                         w.proc.kill()
 
     ucx_protocols = ucx_seen(groups["nixl"]) if "nixl" in groups else None
+    if "nixl_1gpu" in groups:
+        seen1 = ucx_seen(groups["nixl_1gpu"])
+        ucx_protocols = (ucx_protocols or []) + [f"(1 GPU each) {p}" for p in seen1]
     for g, grp in groups.items():
         if grp.dead and not any(COLUMNS[c][0] == g and c in not_run for c in cols):
             for c in cols:
@@ -1030,7 +1051,8 @@ def main():
     print()
     print("versions: " + "; ".join(f"{g}: {v}" for g, v in versions.items() if v))
     for g, t in transports.items():
-        print(f"{'Ferry' if g == 'ferry' else 'Ferry tcp'}: {describe_transports(t)}")
+        print(f"{ {'ferry': 'Ferry', 'ferry_tcp': 'Ferry tcp'}.get(g, 'Ferry-1GPU')}: "
+              f"{describe_transports(t)}")
     if ucx_protocols:
         print("NIXL: UCX picked (UCX_PROTO_INFO): " + "; ".join(ucx_protocols))
     for c, why in not_run.items():
@@ -1042,7 +1064,7 @@ def main():
         print(f"data checks: all ok ({len(checked)} cells, one call of random bytes each)")
     fl = floors(med, wls, dev_init != dev_target and not smoke)
     if fl:
-        print("\nfloors (issue 11)" + ("" if dev_init != dev_target and not smoke else
+        print("\nfloors (issues 11, 26)" + ("" if dev_init != dev_target and not smoke else
                                       " — informational: not GPU 0 → GPU 1") + ":")
         for f in fl:
             print(f"  {f['verdict']:5} {f['what']}: {f['detail']}")
@@ -1220,7 +1242,9 @@ def table(wls, cols, med, not_run, a, gpu_note, smoke):
         f"{a.secs} s per bandwidth cell, {a.lat_iters} blocking calls per latency cell",
         "GB/s = 10^9 B/s of payload; 'blocking' rows: µs p50/p99 per call, Ferry/ref there is the "
         "p50 ratio (lower is better); 4 calls in flight elsewhere."
-        + (" CPU SMOKE: host memory everywhere, shapes shrunk." if smoke else ""),
+        + (" CPU SMOKE: host memory everywhere, shapes shrunk." if smoke else "")
+        + (" -1GPU columns: each process sees only its own GPU (CUDA_VISIBLE_DEVICES=INIT / =TARGET)."
+           if any(c.endswith("-1GPU") for c in cols) else ""),
         fmt(hdr), "  ".join("-" * x for x in wid)]
     lines += [fmt(r) for r in rows]
     return "\n".join(lines)
@@ -1253,6 +1277,29 @@ def floors(med, wls, real):
         lat = keys[key]["lat"]
         add(f"{keys[key]['name']}: Ferry ahead of NIXL", None if r is None else (r < 1 if lat else r > 1),
             "no data" if r is None else f"Ferry/NIXL {r:.2f}" + (" (µs)" if lat else " (GB/s)"))
+    # Issue 26: each process sees only its own GPU.
+    one, nixl_one = "Ferry-1GPU", "NIXL-1GPU"
+    for key, floor in (("g2g_kv128", 0.90), ("g2g_kv298", 0.90), ("g2g_4k", 0.40)):
+        if key not in keys:
+            continue
+        r = ratio(med, keys[key], one, "copy")
+        add(f"{keys[key]['name']}, 1 GPU visible each: Ferry ≥ {floor:.2f} × contiguous copy",
+            None if r is None else r >= floor, "no data" if r is None else f"{r:.3f} × copy")
+    for key in ("g2g_kv128", "g2g_4k", "g2g_lat4k"):
+        if key not in keys:
+            continue
+        r = ratio(med, keys[key], one, nixl_one)
+        lat = keys[key]["lat"]
+        add(f"{keys[key]['name']}, 1 GPU visible each: Ferry ahead of NIXL (same launch)",
+            None if r is None else (r < 1 if lat else r > 1),
+            "no data" if r is None else f"Ferry/NIXL {r:.2f}" + (" (µs)" if lat else " (GB/s)"))
+    for key in ("g2g_kv128", "g2g_4k", "g2g_lat4k"):
+        if key not in keys:
+            continue
+        r = ratio(med, keys[key], one, "Ferry")
+        if r is not None:
+            add(f"{keys[key]['name']}: 1 GPU visible each / both visible (information)", None,
+                f"{r:.2f}" + (" (µs)" if keys[key]["lat"] else " (GB/s)"))
     return out
 
 

@@ -11,6 +11,8 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "ferry/status.h"
 
@@ -22,6 +24,31 @@ bool cuda_available(std::string* reason = nullptr);
 
 // Number of visible CUDA devices; 0 without CUDA support, driver or device.
 int cuda_device_count();
+
+// A GPU as every process names it, whatever its CUDA_VISIBLE_DEVICES: processes
+// launched with different visible sets number GPUs differently, so metadata,
+// descriptors and messages carry the UUID and PCI bus id, never an ordinal.
+struct GpuIdentity {
+  int ordinal = -1;        // this process's CUDA ordinal of it
+  std::string uuid;        // "GPU-8f6c0e1a-...", as nvidia-smi -L prints it
+  std::string pci_bus_id;  // "0000:18:00.0": domain:bus:device.function, hex
+  std::string name;        // "NVIDIA H100 80GB HBM3"
+};
+
+// The GPUs this process sees, by ordinal. NotSupported without CUDA support,
+// driver or device.
+Result<std::vector<GpuIdentity>> gpu_identities();
+
+// This process's ordinal of the GPU named by its UUID ("GPU-..." or the bare
+// hex) or its PCI bus id ("0000:18:00.0", any case; "18:00.0" for domain 0).
+// NotFound, naming the GPUs this process does see, when it does not see it;
+// InvalidArgument when `name` is neither.
+Result<int> gpu_ordinal(std::string_view name);
+
+// A PCI bus id packed into 32 bits (domain << 16 | bus << 8 | device << 3 |
+// function), as remote descriptors carry it; 0 means "not a GPU / unknown".
+uint32_t pack_pci_bus_id(uint32_t domain, uint32_t bus, uint32_t device, uint32_t function);
+std::string pci_bus_id_text(uint32_t packed);
 
 // One block of a batched copy. Any direction: host<->device, device<->device
 // (same or peer GPU). The blocks of one batch must not overlap each other.

@@ -55,7 +55,13 @@ struct RemoteDescriptor {
   uint64_t key = 0;            // PRF(region secret, range, access): checked by the owner
   uint8_t access = kAccessReadWrite;
   MemoryKind kind = MemoryKind::kHost;
+  // The owner's CUDA ordinal of the GPU. Its own numbering: a process with
+  // another CUDA_VISIBLE_DEVICES names the same GPU differently, so the
+  // GPU is identified by gpu_pci (gpu_ordinal(pci_bus_id_text(gpu_pci))).
   int32_t device = -1;
+  // The GPU's PCI bus id, packed (ferry/gpu.h pack_pci_bus_id); 0 for host
+  // memory and in descriptors of format 1 (older builds).
+  uint32_t gpu_pci = 0;
 
   Bytes to_bytes() const;
   // Rejects wrong size, bad magic, unknown version, bad checksum, bad fields.

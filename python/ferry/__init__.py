@@ -39,6 +39,8 @@ from ._ferry import (
     cuda_available,
     cuda_device_count,
     cuda_unavailable_reason,
+    gpu_ordinal,
+    gpus,
     version,
 )
 from ._gpu import CopyStream, copy_blocks
@@ -131,7 +133,7 @@ __all__ = [
     "ACCESS_READ", "ACCESS_READ_WRITE", "ACCESS_WRITE", "DESCRIPTOR_SIZE",
     "Descriptor", "Engine", "MemoryKind", "Peer", "PreparedTransfer", "Region", "StatusCode", "Transfer",
     "protocol_version", "version",
-    "cuda_available", "cuda_device_count", "cuda_unavailable_reason", "CopyStream", "copy_blocks",
+    "cuda_available", "cuda_device_count", "cuda_unavailable_reason", "gpus", "gpu_ordinal", "CopyStream", "copy_blocks",
     "FerryError", "Busy", "Cancelled", "InternalError", "InvalidArgument", "NotFound",
     "NotSupported", "OutOfRange", "PeerDisconnected", "PermissionDenied", "ProtocolError",
     "Timeout", "error_for", "MetadataInfo", "parse_metadata",

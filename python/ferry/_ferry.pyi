@@ -58,6 +58,15 @@ def cuda_unavailable_reason() -> str:
 def cuda_device_count() -> int:
     """Visible CUDA devices; 0 without CUDA support, driver or device."""
 
+def gpus() -> list[dict]:
+    """The GPUs this process sees, named by what they are: dicts with ordinal, uuid
+    ('GPU-...'), pci_bus_id ('0000:18:00.0') and name. [] without CUDA support, driver or
+    device."""
+
+def gpu_ordinal(name: str) -> int:
+    """This process's CUDA ordinal of the GPU named by UUID or PCI bus id; NotFound when
+    this process does not see it."""
+
 def version() -> str: ...
 
 def protocol_version() -> int: ...

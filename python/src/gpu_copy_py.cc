@@ -148,6 +148,31 @@ void bind_gpu_copy(nb::module_& m) {
       "cuda_device_count", [] { return ferry::cuda_device_count(); },
       "Visible CUDA devices; 0 without CUDA support, driver or device.");
   m.def(
+      "gpus",
+      [] {
+        nb::list out;
+        auto gpus = ferry::gpu_identities();
+        if (!gpus.ok()) return out;  // no CUDA, driver or device: none, as cuda_device_count()
+        for (const ferry::GpuIdentity& g : *gpus) {
+          nb::dict d;
+          d["ordinal"] = g.ordinal;
+          d["uuid"] = g.uuid;
+          d["pci_bus_id"] = g.pci_bus_id;
+          d["name"] = g.name;
+          out.append(d);
+        }
+        return out;
+      },
+      "The GPUs this process sees, named by what they are: a list of dicts with ordinal, "
+      "uuid ('GPU-...'), pci_bus_id ('0000:18:00.0') and name. [] without CUDA support, "
+      "driver or device.");
+  m.def(
+      "gpu_ordinal", [](const std::string& name) { return unwrap(ferry::gpu_ordinal(name)); },
+      "name"_a,
+      "This process's CUDA ordinal of the GPU named by UUID or PCI bus id (processes with "
+      "different CUDA_VISIBLE_DEVICES number GPUs differently). NotFound, naming the GPUs this "
+      "process sees, when it does not see it.");
+  m.def(
       "_copy_blocks",
       [](const Column& dst, const Column& src, const Column& sizes, int device, uint32_t sm_budget,
          uint64_t kernel_max_block, bool use_batch_api) {

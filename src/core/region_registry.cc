@@ -59,6 +59,7 @@ Result<MemoryRegion> RegionRegistry::add(void* address, uint64_t length) {
   region->info.length = length;
   region->info.kind = kind.kind;
   region->info.device = kind.device;
+  region->gpu_pci = kind.gpu_pci;
   if (Status s = random_bytes(region->secret, sizeof region->secret); !s.ok()) {
     return err::Internal("register_memory: no secret for the region: " + s.message());
   }
@@ -155,6 +156,7 @@ Result<RemoteDescriptor> RegionRegistry::advertise(uint64_t engine_id, RegionId 
   d.access = access;
   d.kind = region->info.kind;
   d.device = region->info.device;
+  d.gpu_pci = region->gpu_pci;
   d.key = compute_key(*region, offset, length, access);
   return d;
 }

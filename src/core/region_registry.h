@@ -25,6 +25,7 @@ namespace ferry {
 
 struct Region {
   MemoryRegion info;
+  uint32_t gpu_pci = 0;  // GPU memory: its GPU's PCI bus id, packed (descriptors name it)
   uint8_t secret[16];
   // Remote operations currently touching this region's memory.
   std::atomic<uint32_t> active_ops{0};
@@ -101,6 +102,7 @@ class RegionRegistry {
 struct MemoryKindInfo {
   MemoryKind kind = MemoryKind::kHost;
   int device = -1;
+  uint32_t gpu_pci = 0;  // the GPU's PCI bus id, packed (pack_pci_bus_id); 0 for host memory
 };
 using MemoryKindDetector = MemoryKindInfo (*)(const void* address);
 void set_memory_kind_detector(MemoryKindDetector detector);

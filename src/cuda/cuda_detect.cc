@@ -161,6 +161,7 @@ MemoryKindInfo cuda_detect_memory_kind(const void* ptr) {
     case CudaMemoryType::kManaged:
       k.kind = MemoryKind::kCuda;
       k.device = r->device;
+      k.gpu_pci = cuda_device_pci(r->device);
       break;
     case CudaMemoryType::kPageableHost:
     case CudaMemoryType::kPinnedHost:

@@ -37,9 +37,13 @@ struct CudaPointerInfo {
 // Classifies `ptr`. NotSupported without CUDA support or a usable device.
 Result<CudaPointerInfo> cuda_pointer_info(const void* ptr);
 
+// The PCI bus id of this process's GPU `ordinal`, packed (pack_pci_bus_id);
+// 0 when there is no such GPU.
+uint32_t cuda_device_pci(int ordinal);
+
 // For set_memory_kind_detector: kCuda (+ device) for device, pool, VMM and
-// managed memory; kHost for pinned and pageable host memory and whenever CUDA
-// is unavailable. Never fails.
+// managed memory, with the GPU's PCI bus id; kHost for pinned and pageable host memory and whenever
+// CUDA is unavailable. Never fails.
 MemoryKindInfo cuda_detect_memory_kind(const void* ptr);
 
 }  // namespace ferry

@@ -21,10 +21,18 @@ int cuda_device_count() {
   return 0;
 }
 
+Result<std::vector<GpuIdentity>> gpu_identities() {
+  return err::NotSupported(kReason);
+}
+
 #include "cuda/memory_type_names.inc"
 
 Result<CudaPointerInfo> cuda_pointer_info(const void*) {
   return err::NotSupported(kReason);
+}
+
+uint32_t cuda_device_pci(int) {
+  return 0;
 }
 
 MemoryKindInfo cuda_detect_memory_kind(const void*) {

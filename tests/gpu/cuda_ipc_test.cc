@@ -8,12 +8,18 @@
 // which the target copies (PUSH_EXPORT + COPY_REQ).
 // Random data; every byte checked by the target process itself (FNV-1a of its
 // memory). Skips, with the reason, where no CUDA device answers.
+// Run a third way (ctest gpu.one_gpu_each.*): this process with
+// CUDA_VISIBLE_DEVICES=0, the target with FERRY_TEST_PEER_VISIBLE_DEVICES (1),
+// as serving stacks launch their workers -- neither process sees the other's
+// GPU, and every test above must pass all the same.
 #include <cuda_runtime_api.h>
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +34,23 @@ namespace ferry {
 namespace {
 
 constexpr size_t kLocalSize = 64u << 20;
+
+// The target's CUDA_VISIBLE_DEVICES when it is to see another GPU than this
+// process ("" when both see the same GPUs).
+std::string peer_visible_devices() {
+  const char* v = std::getenv("FERRY_TEST_PEER_VISIBLE_DEVICES");
+  return v != nullptr ? v : "";
+}
+
+// GPUs on this host, whatever this process's CUDA_VISIBLE_DEVICES hides.
+int host_gpu_count() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/driver/nvidia/gpus")) {
+    while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+    closedir(d);
+  }
+  return n;
+}
 
 std::string field(const std::string& line, size_t i) {
   size_t pos = 0;
@@ -49,7 +72,28 @@ class CudaIpc : public ::testing::Test {
                    << " (FERRY_TEST_PEER_DEVICE), this machine has " << cuda_device_count();
     }
     std::string error;
-    ASSERT_TRUE(target_.start(FERRY_CUDA_IPC_PEER, 0, &error)) << error;
+    const std::string visible = peer_visible_devices();
+    if (!visible.empty()) {
+      if (host_gpu_count() < 2) {
+        GTEST_SKIP() << "skipped: one GPU per process needs two GPUs on this host "
+                        "(/proc/driver/nvidia/gpus lists "
+                     << host_gpu_count() << ")";
+      }
+      // The target alone gets another visible set; this process's CUDA is
+      // already initialised (cuda_available above), so its own set stays.
+      const char* mine = std::getenv("CUDA_VISIBLE_DEVICES");
+      const std::string saved = mine != nullptr ? mine : "";
+      setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
+      const bool started = target_.start(FERRY_CUDA_IPC_PEER, 0, &error);
+      if (mine != nullptr) {
+        setenv("CUDA_VISIBLE_DEVICES", saved.c_str(), 1);
+      } else {
+        unsetenv("CUDA_VISIBLE_DEVICES");
+      }
+      ASSERT_TRUE(started) << error;
+    } else {
+      ASSERT_TRUE(target_.start(FERRY_CUDA_IPC_PEER, 0, &error)) << error;
+    }
     ASSERT_EQ(target_.ready_fields().size(), 2u);
     auto e = Engine::create();
     ASSERT_TRUE(e.ok()) << e.status().to_string();
@@ -182,6 +226,40 @@ TEST_F(CudaIpc, ChosenForPeerGpuMemory) {
       EXPECT_EQ(t.carries, "peer GPU memory, local GPU with peer host memory");
     }
   }
+}
+
+// The target's GPU memory names its GPU by PCI bus id (descriptor format 2).
+// With the same GPUs visible, this process finds it at the target's ordinal;
+// with one GPU visible per process, it does not see it -- and says so, in
+// gpu_ordinal()'s answer and in peer_transports() -- yet cuda_ipc carries it.
+TEST_F(CudaIpc, PeerGpuIsNamedByWhatItIs) {
+  RemoteDescriptor d = alloc("m", "malloc", 1u << 20);
+  ASSERT_EQ(d.kind, MemoryKind::kCuda);
+  ASSERT_NE(d.gpu_pci, 0u) << "the descriptor does not name its GPU";
+  auto ours = gpu_identities();
+  ASSERT_TRUE(ours.ok()) << ours.status().to_string();
+  auto ordinal = gpu_ordinal(pci_bus_id_text(d.gpu_pci));
+  std::string via;
+  auto transports = engine_->peer_transports(peer_);
+  ASSERT_TRUE(transports.ok()) << transports.status().to_string();
+  for (const auto& t : *transports) {
+    if (t.transport == "cuda_ipc") via = t.via;
+  }
+  if (peer_visible_devices().empty()) {
+    ASSERT_TRUE(ordinal.ok()) << ordinal.status().to_string();
+    EXPECT_EQ(*ordinal, gputest::peer_device());
+    EXPECT_EQ(via.find("not visible"), std::string::npos) << via;
+  } else {
+    ASSERT_FALSE(ordinal.ok()) << "this process sees the target's GPU "
+                               << pci_bus_id_text(d.gpu_pci);
+    EXPECT_EQ(ordinal.status().code(), StatusCode::kNotFound) << ordinal.status().to_string();
+    EXPECT_NE(ordinal.status().message().find((*ours)[0].pci_bus_id), std::string::npos)
+        << "the answer does not name the GPU this process sees: " << ordinal.status().message();
+    EXPECT_NE(via.find("not visible here"), std::string::npos) << via;
+    EXPECT_NE(via.find(pci_bus_id_text(d.gpu_pci)), std::string::npos) << via;
+  }
+  EXPECT_EQ(carrier(), "cuda_ipc");
+  write_read("gpu", "m", d, 4096, 64, 901);
 }
 
 // ---- local GPU memory with the target's host memory: the target copies ----

@@ -5,7 +5,9 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_detect.h"
@@ -146,6 +148,45 @@ TEST_F(GpuTest, DetectsVmmMemoryAndCopiesThroughIt) {
   EXPECT_EQ(unmap(va, n), CUDA_SUCCESS);
   EXPECT_EQ(release(h), CUDA_SUCCESS);
   EXPECT_EQ(free_va(va, n), CUDA_SUCCESS);
+}
+
+// Every visible GPU named by what it is: distinct UUIDs and PCI bus ids that
+// lead back to its ordinal, in every spelling; GPU memory's kind carries its
+// GPU's PCI bus id (descriptors name the GPU by it).
+TEST_F(GpuTest, GpusAreNamedByUuidAndPciBusId) {
+  auto gpus = gpu_identities();
+  ASSERT_TRUE(gpus.ok()) << gpus.status().to_string();
+  ASSERT_EQ(static_cast<int>(gpus->size()), cuda_device_count());
+  auto ordinal = [](const std::string& name) {
+    Result<int> r = gpu_ordinal(name);
+    EXPECT_TRUE(r.ok()) << name << ": " << r.status().to_string();
+    return r.ok() ? *r : -1;
+  };
+  for (const GpuIdentity& g : *gpus) {
+    SCOPED_TRACE(g.uuid + " " + g.pci_bus_id);
+    EXPECT_EQ(g.uuid.rfind("GPU-", 0), 0u);
+    EXPECT_EQ(g.uuid.size(), 40u);
+    ASSERT_EQ(g.pci_bus_id.size(), 12u);  // 0000:18:00.0
+    EXPECT_EQ(ordinal(g.uuid), g.ordinal);
+    EXPECT_EQ(ordinal(g.pci_bus_id), g.ordinal);
+    std::string upper = g.pci_bus_id;
+    for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    EXPECT_EQ(ordinal("0000" + upper), g.ordinal) << "nvidia-smi's 8-digit domain";
+    EXPECT_EQ(pci_bus_id_text(cuda_device_pci(g.ordinal)), g.pci_bus_id);
+    for (const GpuIdentity& o : *gpus) {
+      if (o.ordinal != g.ordinal) {
+        EXPECT_NE(o.uuid, g.uuid);
+        EXPECT_NE(o.pci_bus_id, g.pci_bus_id);
+      }
+    }
+  }
+  auto none = gpu_ordinal("ffff:ff:1f.7");
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(none.status().message().find((*gpus)[0].pci_bus_id), std::string::npos)
+      << "the answer names what this process sees: " << none.status().message();
+  Buffer a(Mem::kDevice, 1 << 20);
+  EXPECT_EQ(pci_bus_id_text(cuda_detect_memory_kind(a.data()).gpu_pci), (*gpus)[0].pci_bus_id);
 }
 
 TEST_F(GpuTest, CudaAvailableAndCount) {

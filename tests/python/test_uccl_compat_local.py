@@ -3,6 +3,7 @@ descriptor API (register_memory/transfer), FloatType and the failure paths, with
 a second process, random data and every byte checked. Host memory only (the
 GPU paths run with UCCL's own scripts on the device: bench/uccl/)."""
 import multiprocessing as mp
+import struct
 
 import numpy as np
 import pytest
@@ -343,3 +344,44 @@ def test_small_api_pieces():
     with pytest.raises(ferry.FerryError):
         b.connect_local(p2p.Endpoint.parse_metadata(ma)[2], timeout=0.05)
     b.close()
+
+
+def test_metadata_names_the_gpu_by_pci_bus_id():
+    """parse_metadata gives the GPU's PCI bus id, as UCCL's does (the same in processes
+    with different CUDA_VISIBLE_DEVICES); version 1 envelopes (no bus id) are read."""
+    from ferry.compat.uccl import _envelope, _local
+    meta = ferry.Engine("127.0.0.1:0")
+    try:
+        raw = meta.metadata()
+    finally:
+        meta.close()
+    env = _envelope.unwrap(_envelope.wrap(1, "ferry-00-gpu1", raw, "0000:9a:00.0"))
+    assert (env.gpu, env.local_name, env.engine_metadata, env.gpu_bdf) == (
+        1, "ferry-00-gpu1", raw, "0000:9a:00.0")
+    assert p2p.Endpoint.parse_metadata(_envelope.wrap(1, "n", raw, "0000:9a:00.0"))[2] == "0000:9a:00.0"
+    assert p2p.Endpoint.parse_metadata(_envelope.wrap(1, "n", raw))[2] == "n"  # no GPU: the name
+    # version 1, as an older build wrote it: no bus id
+    v1 = b"FUCL" + struct.pack("<Bi", 1, 2) + struct.pack("<B", 1) + b"x" + struct.pack("<H", len(raw)) + raw
+    old = _envelope.unwrap(v1 + b"\0" * (-len(v1) % 64))
+    assert (old.gpu, old.local_name, old.gpu_bdf) == (2, "x", "")
+    with pytest.raises(ferry.InvalidArgument, match="version 3"):
+        _envelope.unwrap(b"FUCL" + struct.pack("<Bi", 3, 0) + b"\0" * 59)
+    full = _envelope.wrap(1, "n", raw, "0000:9a:00.0")
+    with pytest.raises(ferry.InvalidArgument, match="truncated"):
+        _envelope.unwrap(full.rstrip(b"\0")[:-1])  # the bus id cut short
+    # connect_local's argument: every spelling of one bus id reaches one rendezvous name
+    assert _local.resolve("0000:9A:00.0") == _local.resolve("00000000:9a:00.0") == "bdf-0000:9a:00.0"
+    assert _local.resolve("9a:00.0") == "bdf-0000:9a:00.0"
+    assert _local.resolve(3) == "gpu3"
+    # this machine's GPUs: Endpoint(i)'s identity is GPU i's bus id
+    gpus = ferry.gpus()
+    for g in gpus[:2]:
+        ep = p2p.Endpoint(g["ordinal"], listen="127.0.0.1:0")
+        try:
+            assert p2p.Endpoint.parse_metadata(ep.get_metadata())[2] == g["pci_bus_id"]
+            assert ferry.gpu_ordinal(g["pci_bus_id"]) == g["ordinal"]
+            assert ferry.gpu_ordinal(g["uuid"]) == g["ordinal"]
+        finally:
+            ep.close()
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.gpu_ordinal("gpu0")

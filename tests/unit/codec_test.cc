@@ -15,6 +15,7 @@
 
 #include "core/byte_codec.h"
 #include "core/metadata.h"
+#include "ferry/gpu.h"
 #include "ferry/types.h"
 #include "guarded_buffer.h"
 
@@ -38,7 +39,6 @@ uint32_t Crc32Reflected(ByteView data, uint32_t poly) {
 constexpr uint32_t kPolyIeee = 0xEDB88320u;        // zlib crc32
 constexpr uint32_t kPolyCastagnoli = 0x82F63B78u;  // crc32c
 
-
 RemoteDescriptor RandomDescriptor(std::mt19937_64& rng) {
   RemoteDescriptor d;
   d.engine_id = rng();
@@ -51,6 +51,9 @@ RemoteDescriptor RandomDescriptor(std::mt19937_64& rng) {
   if (rng() % 2) {
     d.kind = MemoryKind::kCuda;
     d.device = static_cast<int32_t>(rng() % 8);
+    // Half of them name their GPU (format 2), as every build from format 2
+    // on does; the others are what an older build sends.
+    if (rng() % 2) d.gpu_pci = static_cast<uint32_t>(1 + rng() % 0xffffffffu);
   } else {
     d.kind = MemoryKind::kHost;
     d.device = -1;
@@ -68,6 +71,7 @@ void ExpectSameDescriptor(const RemoteDescriptor& a, const RemoteDescriptor& b) 
   EXPECT_EQ(a.access, b.access);
   EXPECT_EQ(a.kind, b.kind);
   EXPECT_EQ(a.device, b.device);
+  EXPECT_EQ(a.gpu_pci, b.gpu_pci);
 }
 
 Result<RemoteDescriptor> DecodeGuarded(const Bytes& bytes) {
@@ -189,7 +193,9 @@ class DescriptorFields : public ::testing::Test {
  protected:
   void SetUp() override {
     std::mt19937_64 rng(6);
-    good_ = RandomDescriptor(rng).to_bytes();
+    RemoteDescriptor d = RandomDescriptor(rng);
+    d.gpu_pci = 0;  // format 1, the layout below
+    good_ = d.to_bytes();
     ASSERT_EQ(good_.size(), 64u);
     ASSERT_EQ(good_[2], 1) << "descriptor version byte is not at offset 2 any more";
     ASSERT_EQ(Crc32At(good_, 60), Crc32Reflected(ByteView(good_.data(), 60), kPolyIeee))
@@ -214,7 +220,7 @@ TEST_F(DescriptorFields, ResealedUnchangedBytesAreAccepted) {
 }
 
 TEST_F(DescriptorFields, RejectsUnknownVersion) {
-  for (uint8_t v : {uint8_t{0}, uint8_t{2}, uint8_t{0xFF}}) {
+  for (uint8_t v : {uint8_t{0}, uint8_t{3}, uint8_t{0xFF}}) {
     Bytes b = good_;
     b[2] = v;
     auto r = DecodeGuarded(Reseal(b));
@@ -229,6 +235,96 @@ TEST_F(DescriptorFields, RejectsBadMagicWithValidChecksum) {
     Bytes b = good_;
     b[static_cast<size_t>(i)] ^= 0x01;
     EXPECT_FALSE(DecodeGuarded(Reseal(b)).ok()) << "magic byte " << i;
+  }
+}
+
+// GPU memory is named by its GPU's PCI bus id (format 2), because the owner's
+// ordinal means nothing to a process with another CUDA_VISIBLE_DEVICES; host
+// memory keeps format 1, byte for byte what older builds read.
+TEST(DescriptorCodec, GpuDescriptorNamesItsGpuAndHostDescriptorStaysFormat1) {
+  RemoteDescriptor g;
+  g.engine_id = 7;
+  g.region_id = 9;
+  g.length = 4096;
+  g.kind = MemoryKind::kCuda;
+  g.device = 1;
+  g.gpu_pci = pack_pci_bus_id(0x0001, 0x9a, 0x00, 0);
+  const Bytes b = g.to_bytes();
+  EXPECT_EQ(b[2], 2) << "a GPU descriptor naming its GPU is format 2";
+  EXPECT_EQ(b[6] | b[7] << 8, 1) << "the owner's ordinal at byte 6";
+  uint32_t pci;
+  std::memcpy(&pci, b.data() + 56, 4);
+  EXPECT_EQ(pci, g.gpu_pci);
+  auto r = DecodeGuarded(b);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  ExpectSameDescriptor(g, *r);
+  EXPECT_EQ(pci_bus_id_text(r->gpu_pci), "0001:9a:00.0");
+
+  RemoteDescriptor h = g;
+  h.kind = MemoryKind::kHost;
+  h.device = -1;
+  h.gpu_pci = 0;
+  const Bytes hb = h.to_bytes();
+  EXPECT_EQ(hb[2], 1);
+  EXPECT_EQ(hb[5] | hb[6] | hb[7], 0);
+  int32_t dev;
+  std::memcpy(&dev, hb.data() + 56, 4);
+  EXPECT_EQ(dev, -1) << "format 1 keeps the ordinal at byte 56";
+
+  // What an older build sends for GPU memory: format 1, no PCI bus id.
+  RemoteDescriptor old = g;
+  old.gpu_pci = 0;
+  const Bytes ob = old.to_bytes();
+  EXPECT_EQ(ob[2], 1);
+  auto o = DecodeGuarded(ob);
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  EXPECT_EQ(o->device, 1);
+  EXPECT_EQ(o->gpu_pci, 0u);
+}
+
+TEST(DescriptorCodec, Format2RefusesHostMemoryAndAMissingGpu) {
+  RemoteDescriptor g;
+  g.length = 1;
+  g.kind = MemoryKind::kCuda;
+  g.device = 0;
+  g.gpu_pci = pack_pci_bus_id(0, 0x18, 0, 0);
+  const Bytes good = g.to_bytes();
+  ASSERT_EQ(good[2], 2);
+  auto reseal = [](Bytes b) {
+    const uint32_t crc = Crc32Reflected(ByteView(b.data(), 60), kPolyIeee);
+    std::memcpy(b.data() + 60, &crc, 4);
+    return b;
+  };
+  Bytes host = good;
+  host[4] = static_cast<uint8_t>(MemoryKind::kHost);
+  auto r = DecodeGuarded(reseal(host));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("names a GPU"), std::string::npos) << r.status().message();
+  Bytes nopci = good;
+  std::memset(nopci.data() + 56, 0, 4);
+  EXPECT_FALSE(DecodeGuarded(reseal(nopci)).ok()) << "format 2 without a PCI bus id";
+  Bytes pad = good;
+  pad[5] = 1;
+  EXPECT_FALSE(DecodeGuarded(reseal(pad)).ok()) << "format 2 with byte 5 set";
+}
+
+TEST(GpuNames, PciBusIdPacksAndPrints) {
+  EXPECT_EQ(pci_bus_id_text(pack_pci_bus_id(0, 0x18, 0, 0)), "0000:18:00.0");
+  EXPECT_EQ(pci_bus_id_text(pack_pci_bus_id(0xffff, 0xff, 0x1f, 7)), "ffff:ff:1f.7");
+  // A name that is neither a UUID nor a PCI bus id is refused, naming it
+  // (before any GPU is asked, so this holds on machines without one).
+  auto r = gpu_ordinal("gpu0");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("gpu0"), std::string::npos);
+  // Well-formed names reach the lookup: on a machine without a GPU, NotSupported.
+  for (const char* name : {"0000:18:00.0", "18:00.0", "00000000:18:00.0",
+                           "GPU-8f6c0e1a-1b2c-3d4e-5f60-718293a4b5c6"}) {
+    auto o = gpu_ordinal(name);
+    if (!o.ok()) {
+      EXPECT_NE(o.status().code(), StatusCode::kInvalidArgument)
+          << name << ": " << o.status().to_string();
+    }
   }
 }
 

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "ferry/gpu.h"
 #include "guarded_buffer.h"
 #include "transport/common/unix_socket.h"
 
@@ -455,6 +456,62 @@ TEST(CudaIpcWire, FramesLargerThanTheSocketBufferCrossWhole) {
   ASSERT_TRUE(q.ok()) << q.status().message();
   EXPECT_EQ(q->segments.size(), 5000 - kMaxCopySegments);
   EXPECT_EQ(got[3].first, Op::kNotify);
+}
+
+// The address names each GPU by UUID and PCI bus id (format 2); an older
+// build's address (format 1, UUIDs only) is still read, its PCI ids unknown.
+TEST(CudaIpcAddress, NamesGpusByUuidAndPciBusIdAndReadsFormat1) {
+  Address a;
+  a.socket_path = "/tmp/ferry-ipc-test.sock";
+  a.pid = 4242;
+  for (uint8_t i = 0; i < 3; ++i) {
+    std::array<uint8_t, kUuidBytes> u{};
+    for (size_t k = 0; k < u.size(); ++k) u[k] = static_cast<uint8_t>(17 * i + k);
+    a.gpus.push_back(u);
+    a.gpu_pci.push_back(pack_pci_bus_id(0, 0x18 + 0x10 * i, 0, 0));
+  }
+  const Bytes b = encode_address(a);
+  ASSERT_EQ(b[0], kAddressFormat);
+  GuardedBuffer g(b);
+  auto back = decode_address(g.span());
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(back->socket_path, a.socket_path);
+  EXPECT_EQ(back->pid, a.pid);
+  EXPECT_EQ(back->gpus, a.gpus);
+  EXPECT_EQ(back->gpu_pci, a.gpu_pci);
+  EXPECT_EQ(gpu_text(*back, 1).substr(gpu_text(*back, 1).size() - 14), "(0000:28:00.0)");
+  for (size_t n = 0; n < b.size(); ++n) {
+    GuardedBuffer t(Bytes(b.begin(), b.begin() + static_cast<long>(n)));
+    EXPECT_FALSE(decode_address(t.span()).ok()) << "accepted an address cut to " << n << " bytes";
+  }
+
+  // Format 1 as an older build writes it: no PCI bus id after each UUID.
+  Bytes old;
+  old.push_back(kAddressFormatUuidOnly);
+  old.push_back(0);
+  const uint16_t path = static_cast<uint16_t>(a.socket_path.size());
+  old.push_back(static_cast<uint8_t>(path));
+  old.push_back(static_cast<uint8_t>(path >> 8));
+  for (int k = 0; k < 4; ++k) old.push_back(static_cast<uint8_t>(a.pid >> (8 * k)));
+  old.push_back(3);
+  old.push_back(0);
+  old.push_back(0);
+  old.push_back(0);
+  for (const auto& u : a.gpus) old.insert(old.end(), u.begin(), u.end());
+  old.insert(old.end(), a.socket_path.begin(), a.socket_path.end());
+  GuardedBuffer o(old);
+  auto v1 = decode_address(o.span());
+  ASSERT_TRUE(v1.ok()) << v1.status().message();
+  EXPECT_EQ(v1->gpus, a.gpus);
+  EXPECT_EQ(v1->gpu_pci, std::vector<uint32_t>(3, 0));
+  EXPECT_EQ(gpu_text(*v1, 0), uuid_text(a.gpus[0]));
+
+  Bytes future = b;
+  future[0] = 3;
+  GuardedBuffer f(future);
+  auto r = decode_address(f.span());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("format 3"), std::string::npos) << r.status().message();
 }
 
 }  // namespace

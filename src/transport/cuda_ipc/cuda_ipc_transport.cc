@@ -179,6 +179,9 @@ Status CudaIpcTransport::start(const TransportContext& context) {
   auto gpus = visible_gpus();
   if (!gpus.ok()) return err::NotSupported("cuda_ipc: " + gpus.status().message());
   address_.gpus = *gpus;
+  for (size_t i = 0; i < gpus->size(); ++i) {
+    address_.gpu_pci.push_back(cuda_device_pci(static_cast<int>(i)));
+  }
   address_.pid = static_cast<uint32_t>(::getpid());
   socket_path_ =
       fmt::format("{}/ferry-ipc-{}-{}.sock", opt_.socket_dir == "/" ? "" : opt_.socket_dir,
@@ -278,16 +281,15 @@ std::string CudaIpcTransport::describe(const Connection& c) const {
 Result<PeerId> CudaIpcTransport::connect(ByteView peer_address, PeerId expected_peer) {
   auto a = decode_address(peer_address);
   if (!a.ok()) return a.status();
-  std::vector<std::string> seen, unseen;
-  for (const auto& g : a->gpus) (ordinal_of(g) >= 0 ? seen : unseen).push_back(uuid_text(g));
-  if (a->gpus.empty() || seen.empty()) {
-    std::vector<std::string> ours;
-    for (const auto& g : address_.gpus) ours.push_back(uuid_text(g));
-    return err::NotSupported(fmt::format(
-        "cuda_ipc: none of the peer's GPUs ({}) is visible in this process (which sees {}); "
-        "check CUDA_VISIBLE_DEVICES",
-        fmt::join(a->gpus.empty() ? std::vector<std::string>{"none"} : unseen, ", "),
-        fmt::join(ours, ", ")));
+  if (a->gpus.empty()) {
+    return err::NotSupported("cuda_ipc: the peer's address names no GPU");
+  }
+  // GPUs are named by UUID: a peer launched with another CUDA_VISIBLE_DEVICES
+  // numbers them differently, and may use one this process does not see. Its
+  // memory is mapped all the same (Mapping::import), copied by our GPU.
+  std::vector<std::string> unseen;
+  for (size_t i = 0; i < a->gpus.size(); ++i) {
+    if (ordinal_of(a->gpus[i]) < 0) unseen.push_back(gpu_text(*a, i));
   }
   std::lock_guard connect_lock(connect_mu_);
   if (expected_peer != 0 && is_connected(expected_peer)) return expected_peer;
@@ -331,10 +333,15 @@ Result<PeerId> CudaIpcTransport::connect(ByteView peer_address, PeerId expected_
   if (Status s = establish(c); !s.ok()) return s;
   watch(c);
   if (!unseen.empty()) {
+    c->gpu_note =
+        fmt::format("; peer GPU{} {} not visible here: mapped through this process's GPU {}",
+                    unseen.size() == 1 ? "" : "s", fmt::join(unseen, ", "), current_device());
     spdlog::info(
-        "cuda_ipc: peer {}: its GPUs {} are not visible here; memory on them cannot be "
-        "mapped",
-        hex_id(c->peer), fmt::join(unseen, ", "));
+        "cuda_ipc: peer {}: its GPU{} {} not visible in this process "
+        "(CUDA_VISIBLE_DEVICES); their memory is mapped into GPU {}'s context and "
+        "copied by it",
+        hex_id(c->peer), unseen.size() == 1 ? " is" : "s are", fmt::join(unseen, ", "),
+        current_device());
   }
   return c->peer;
 }
@@ -376,7 +383,7 @@ bool CudaIpcTransport::is_connected(PeerId peer) const {
 std::string CudaIpcTransport::peer_address(PeerId peer) const {
   std::lock_guard lock(mu_);
   auto it = primary_.find(peer);
-  return it == primary_.end() ? std::string() : "unix:" + it->second->via;
+  return it == primary_.end() ? std::string() : "unix:" + it->second->via + it->second->gpu_note;
 }
 
 Result<std::shared_ptr<Connection>> CudaIpcTransport::live_connection(PeerId peer) const {
@@ -941,7 +948,7 @@ Status CudaIpcTransport::post_granted(const std::shared_ptr<Connection>& conn,
             "from GPU {} (legacy IPC memory is mapped for one GPU of a process; VMM memory, "
             "e.g. PyTorch's expandable segments, for all)",
             hex_id((*c)->peer), std::get<0>(g->key), g->mapping->host_copy_device(), device));
-      } else if (device != g->mapping->device() &&
+      } else if (g->mapping->device_visible() && device != g->mapping->device() &&
                  (device != peer_from || g->mapping->device() != peer_to)) {
         // Asked once per pair and call: it takes a process-wide lock.
         peer_from = device;
@@ -1389,7 +1396,9 @@ Status CudaIpcTransport::serve_copy(const std::shared_ptr<Connection>& c, CopyRe
     uint8_t* host = *address;
     uint8_t* gpu = mapping->base() + seg.export_offset;
     uint64_t left = seg.remote.length;
-    const int device = mapping->device();
+    // Memory on a GPU this process does not see is copied by the GPU that
+    // mapped it.
+    const int device = mapping->host_copy_device();
     // Host blocks are cut where a page-locked allocation ends (see post());
     // pageable memory goes to the copy engine, which the kernel cannot read.
     while (left > 0) {

@@ -96,6 +96,7 @@ struct Connection : std::enable_shared_from_this<Connection> {
   bool outgoing = false;
   bool established = false;  // I/O thread / set-up only
   std::string via;
+  std::string gpu_note;  // outgoing: the peer's GPUs this process does not see
   std::atomic<bool> dead{false};
 
   // Frames go out whole, one at a time. Also guards `exported` (a grant is

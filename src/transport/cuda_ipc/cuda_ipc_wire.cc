@@ -5,6 +5,7 @@
 #include <cerrno>
 
 #include "core/byte_codec.h"
+#include "ferry/gpu.h"
 #include "fmt/format.h"
 #include "transport/common/unix_socket.h"
 #include "transport/common/wire_codec.h"
@@ -453,7 +454,10 @@ Bytes encode_address(const Address& a) {
   w.u32(a.pid);
   w.u16(static_cast<uint16_t>(a.gpus.size()));
   w.u16(0);
-  for (const auto& g : a.gpus) w.bytes(g.data(), g.size());
+  for (size_t i = 0; i < a.gpus.size(); ++i) {
+    w.bytes(a.gpus[i].data(), a.gpus[i].size());
+    w.u32(i < a.gpu_pci.size() ? a.gpu_pci[i] : 0);
+  }
   w.bytes(a.socket_path.data(), a.socket_path.size());
   return out;
 }
@@ -468,9 +472,10 @@ Result<Address> decode_address(ByteView bytes) {
   const uint16_t gpus = r.u16();
   r.u16();
   if (!r.ok()) return err::InvalidArgument("cuda_ipc address: truncated");
-  if (format != kAddressFormat) {
+  if (format != kAddressFormat && format != kAddressFormatUuidOnly) {
     return err::InvalidArgument(
-        fmt::format("cuda_ipc address format {} (this build reads {})", format, kAddressFormat));
+        fmt::format("cuda_ipc address format {} (this build reads {} and {})", format,
+                    kAddressFormatUuidOnly, kAddressFormat));
   }
   if (gpus > kMaxAddressGpus || path_length == 0 || path_length > unix_socket::kMaxPath) {
     return err::InvalidArgument(
@@ -481,6 +486,7 @@ Result<Address> decode_address(ByteView bytes) {
     std::array<uint8_t, kUuidBytes> uuid{};
     if (r.ok()) std::copy(u.begin(), u.end(), uuid.begin());
     a.gpus.push_back(uuid);
+    a.gpu_pci.push_back(format == kAddressFormat ? r.u32() : 0);
   }
   auto p = r.bytes(path_length);
   if (!r.ok() || r.remaining() != 0) {
@@ -488,6 +494,13 @@ Result<Address> decode_address(ByteView bytes) {
   }
   a.socket_path.assign(reinterpret_cast<const char*>(p.data()), p.size());
   return a;
+}
+
+std::string gpu_text(const Address& a, size_t i) {
+  if (i >= a.gpus.size()) return "no GPU";
+  const uint32_t pci = i < a.gpu_pci.size() ? a.gpu_pci[i] : 0;
+  return pci == 0 ? uuid_text(a.gpus[i])
+                  : fmt::format("{} ({})", uuid_text(a.gpus[i]), pci_bus_id_text(pci));
 }
 
 std::string uuid_text(const std::array<uint8_t, kUuidBytes>& u) {

@@ -218,18 +218,25 @@ Result<CopyResponse> decode_copy_response(ByteView body);
 // unaffected: unix_socket::receive passes MSG_DONTWAIT.
 Status prepare_control_socket(int fd);
 
-// The transport's address in engine metadata:
-//   u8 format (1) | u8 0 | u16 path length | u32 pid | u16 GPU count | u16 0 |
-//   GPU count × u8[16] uuid | path bytes
+// The transport's address in engine metadata. GPUs are named by UUID and PCI
+// bus id, never by ordinal (a peer with another CUDA_VISIBLE_DEVICES numbers
+// them differently):
+//   u8 format | u8 0 | u16 path length | u32 pid | u16 GPU count | u16 0 |
+//   GPU count × (u8[16] uuid [format 2: | u32 PCI bus id, packed]) | path bytes
+// Format 1 (older builds) lacks the PCI bus ids; both are read.
 struct Address {
   std::string socket_path;
   uint32_t pid = 0;
   std::vector<std::array<uint8_t, kUuidBytes>> gpus;
+  std::vector<uint32_t> gpu_pci;  // per GPU (ferry/gpu.h pack_pci_bus_id); 0: unknown
 };
-constexpr uint8_t kAddressFormat = 1;
+constexpr uint8_t kAddressFormat = 2;
+constexpr uint8_t kAddressFormatUuidOnly = 1;
 constexpr uint16_t kMaxAddressGpus = 1024;
 Bytes encode_address(const Address& address);
 Result<Address> decode_address(ByteView bytes);
+// "GPU-1a2b... (0000:18:00.0)": the address's GPU `i` for messages.
+std::string gpu_text(const Address& address, size_t i);
 
 // "GPU-1a2b3c4d-..." as nvidia-smi prints it.
 std::string uuid_text(const std::array<uint8_t, kUuidBytes>& uuid);

@@ -260,16 +260,17 @@ Result<std::shared_ptr<Mapping>> Mapping::import(const Grant& g, std::vector<int
     }
   } close_fds{fds};
 
+  // The memory's GPU may be one this process does not see (each serving
+  // worker launched with CUDA_VISIBLE_DEVICES naming only its own GPU). The
+  // driver maps it all the same: cudaIpcOpenMemHandle "can open handles to
+  // devices that may not be visible in the process calling the API" (enabling
+  // peer access lazily, as for a visible GPU), and a cuMem allocation imported
+  // from its descriptor is mapped and opened to the GPUs we name in
+  // cuMemSetAccess. Copies then run on the GPU that opened it.
   const int device = ordinal_of(g.gpu_uuid);
-  if (device < 0) {
-    return err::NotSupported(
-        fmt::format("cuda_ipc: the peer's memory is on {}, which this process does not see "
-                    "(CUDA_VISIBLE_DEVICES?)",
-                    uuid_text(g.gpu_uuid)));
-  }
   std::shared_ptr<Mapping> m(new Mapping());
   m->device_ = device;
-  m->access_device_ = access_device >= 0 ? access_device : device;
+  m->access_device_ = access_device >= 0 ? access_device : device >= 0 ? device : current_device();
   m->kind_ = g.kind;
   m->length_ = g.span_length;
   if (same_process) {
@@ -277,10 +278,11 @@ Result<std::shared_ptr<Mapping>> Mapping::import(const Grant& g, std::vector<int
     m->base_ = reinterpret_cast<uint8_t*>(g.span_base);
     return m;
   }
-  cuda::DeviceGuard guard(g.kind == HandleKind::kLegacy ? m->access_device_ : device);
+  const bool legacy = g.kind == HandleKind::kLegacy;
+  cuda::DeviceGuard guard(legacy || device < 0 ? m->access_device_ : device);
   if (guard.status() != cudaSuccess) return cuda_status(guard.status(), "cudaSetDevice");
 
-  if (g.kind == HandleKind::kLegacy) {
+  if (legacy) {
     if (!fds.empty()) return err::ProtocolError("cuda_ipc: descriptors sent with a legacy grant");
     cudaIpcMemHandle_t h{};
     std::memcpy(&h, g.pieces[0].handle.data(), sizeof h);
@@ -288,7 +290,12 @@ Result<std::shared_ptr<Mapping>> Mapping::import(const Grant& g, std::vector<int
     if (cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
         e != cudaSuccess) {
       cudaGetLastError();
-      return cuda_status(e, "cudaIpcOpenMemHandle");
+      return device >= 0 ? cuda_status(e, "cudaIpcOpenMemHandle")
+                         : cuda_status(e, fmt::format("cudaIpcOpenMemHandle of memory on {}, "
+                                                      "which this process does not see, in GPU "
+                                                      "{}'s context",
+                                                      uuid_text(g.gpu_uuid), m->access_device_)
+                                              .c_str());
     }
     m->base_ = static_cast<uint8_t*>(p);
     m->owned_ = true;
@@ -320,11 +327,16 @@ Result<std::shared_ptr<Mapping>> Mapping::import(const Grant& g, std::vector<int
     if (r != CUDA_SUCCESS) return cu_status(r, "cuMemMap");
     m->vmm_ranges_.emplace_back(g.pieces[i].offset, g.pieces[i].length);
   }
-  // Read/write for the memory's own GPU and every GPU that can reach it.
+  // Read/write for the memory's own GPU and every GPU that can reach it; for
+  // memory on a GPU we do not see, for the GPU that copies (no visible GPU
+  // can be asked about peer access to an invisible one: the driver answers
+  // by refusing cuMemSetAccess).
   std::vector<CUmemAccessDesc> access;
   for (int other = 0; other < cuda_device_count(); ++other) {
     int can = other == device ? 1 : 0;
-    if (other != device && cudaDeviceCanAccessPeer(&can, other, device) != cudaSuccess) {
+    if (device < 0) {
+      can = other == m->access_device_ ? 1 : 0;
+    } else if (other != device && cudaDeviceCanAccessPeer(&can, other, device) != cudaSuccess) {
       cudaGetLastError();
       can = 0;
     }
@@ -337,14 +349,18 @@ Result<std::shared_ptr<Mapping>> Mapping::import(const Grant& g, std::vector<int
   }
   if (CUresult r = d.set_access(va, g.span_length, access.data(), access.size());
       r != CUDA_SUCCESS) {
-    return cu_status(r, "cuMemSetAccess");
+    Status s = cu_status(r, "cuMemSetAccess");
+    if (device >= 0) return s;
+    return Status(s.code(), fmt::format("{} (memory on {}, which this process does not see, "
+                                        "opened to GPU {})",
+                                        s.message(), uuid_text(g.gpu_uuid), m->access_device_));
   }
   return m;
 }
 
 Mapping::~Mapping() {
   if (!owned_ || base_ == nullptr) return;
-  cuda::DeviceGuard guard(kind_ == HandleKind::kLegacy ? access_device_ : device_);
+  cuda::DeviceGuard guard(kind_ == HandleKind::kLegacy || device_ < 0 ? access_device_ : device_);
   if (kind_ == HandleKind::kLegacy) {
     if (cudaIpcCloseMemHandle(base_) != cudaSuccess) cudaGetLastError();
     return;

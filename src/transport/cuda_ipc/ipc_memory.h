@@ -55,7 +55,8 @@ class Mapping {
   // opened in the memory GPU's context instead, another GPU's kernels fault
   // on it and its copy engine goes through host memory (38 GB/s instead of
   // NVLink's ~390 GB/s on 2 x H200). VMM mappings are open to every GPU with
-  // peer access.
+  // peer access. Memory on a GPU this process does not see is opened to
+  // `access_device` alone (-1: the calling thread's current GPU).
   static Result<std::shared_ptr<Mapping>> import(const Grant& grant, std::vector<int> fds,
                                                  bool same_process, int access_device = -1);
   ~Mapping();
@@ -65,14 +66,21 @@ class Mapping {
   // Where the exporter's span_base lies here.
   uint8_t* base() const { return base_; }
   uint64_t length() const { return length_; }
-  // This process's ordinal of the GPU holding the memory.
+  // This process's ordinal of the GPU holding the memory; -1 when this
+  // process does not see that GPU (CUDA_VISIBLE_DEVICES): then only the GPU
+  // that opened the mapping (copy_device()) copies to and from it.
   int device() const { return device_; }
+  bool device_visible() const { return device_ >= 0; }
   // Whether copies run by `gpu`'s streams may use the mapping.
   bool usable_from(int gpu) const {
-    return kind_ == HandleKind::kVmm || base_ == nullptr || !owned_ || gpu == access_device_;
+    if (base_ == nullptr || !owned_) return true;
+    if (kind_ == HandleKind::kVmm && device_ >= 0) return true;
+    return gpu == access_device_;
   }
   // The GPU whose streams copy between this mapping and host memory.
-  int host_copy_device() const { return kind_ == HandleKind::kVmm ? device_ : access_device_; }
+  int host_copy_device() const {
+    return kind_ == HandleKind::kVmm && device_ >= 0 ? device_ : access_device_;
+  }
   HandleKind kind() const { return kind_; }
 
  private:

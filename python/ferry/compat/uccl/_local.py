@@ -3,8 +3,10 @@
 UCCL pairs two endpoints of one host through shared-memory rings named after
 their GPUs. Here each endpoint listens on an abstract Unix socket named after
 itself (``ferry-uccl-<uid>-<local name>``) and, if no other endpoint of this
-user took it first, after its GPU (``ferry-uccl-<uid>-gpu<N>``, for callers
-that pass a GPU index). ``connect_local`` exchanges Ferry engine metadata over
+user took it first, after its GPU: by PCI bus id (``ferry-uccl-<uid>-bdf-<bus
+id>``, the GPU identity ``parse_metadata`` gives, the same in processes with
+different ``CUDA_VISIBLE_DEVICES``) and by index (``ferry-uccl-<uid>-gpu<N>``,
+for callers that pass a GPU index). ``connect_local`` exchanges Ferry engine metadata over
 it, connects the two engines (which then pick the same-host transports, shm for
 host memory and cuda_ipc for GPU memory where the build has it) and waits until
 the listening side has queued the connection for ``accept_local``.
@@ -17,6 +19,7 @@ client -> server ``C`` once its engine is connected (or ``E`` + reason); server
 from __future__ import annotations
 
 import os
+import re
 import select
 import socket
 import struct
@@ -37,6 +40,17 @@ def socket_name(name: str) -> str:
 
 def gpu_alias(gpu: int) -> str:
     return f"gpu{int(gpu)}"
+
+
+# A PCI bus id as UCCL prints one: domain:bus:device.function ("0000:18:00.0").
+_BDF = re.compile(r"^(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+
+
+def bdf_alias(bdf: str) -> str:
+    """One spelling per GPU: lower case, 4-digit domain (nvidia-smi prints 8)."""
+    parts = bdf.lower().split(":")
+    domain = parts[0][-4:] if len(parts) == 3 else "0000"
+    return f"bdf-{domain}:{parts[-2]}:{parts[-1]}"
 
 
 def _send(sock: socket.socket, payload: bytes) -> None:
@@ -70,7 +84,7 @@ class LocalListener:
     ``welcome()`` gives this endpoint's envelope (or raises to refuse).
     """
 
-    def __init__(self, name: str, gpu: int, welcome, reserve, connected, release):
+    def __init__(self, name: str, gpu: int, welcome, reserve, connected, release, gpu_bdf=""):
         self.name = name
         self.aliases: list[str] = []
         self._welcome, self._reserve = welcome, reserve
@@ -78,11 +92,11 @@ class LocalListener:
         self._socks: list[socket.socket] = []
         self._stop = threading.Event()
         self._socks.append(self._bind(name, required=True))
-        if gpu >= 0:
-            s = self._bind(gpu_alias(gpu), required=False)
+        for alias in ([bdf_alias(gpu_bdf)] if gpu_bdf else []) + ([gpu_alias(gpu)] if gpu >= 0 else []):
+            s = self._bind(alias, required=False)
             if s is not None:
                 self._socks.append(s)
-                self.aliases.append(gpu_alias(gpu))
+                self.aliases.append(alias)
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="ferry-uccl-local",
                                         daemon=True)
@@ -182,6 +196,8 @@ def resolve(target) -> str:
                               "index or the identity string from Endpoint.parse_metadata")
     if target.lstrip("-").isdigit():
         return gpu_alias(int(target))
+    if _BDF.match(target):
+        return bdf_alias(target)
     if "\0" in target or len(target) > 90:
         raise InvalidArgument(f"connect_local(): bad remote GPU identity {target!r}")
     return target

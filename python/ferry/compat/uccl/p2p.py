@@ -19,8 +19,9 @@ in docs/uccl_compat.md), in short:
 * Transfer ids are Ferry's generation-safe ids: polling a finished id again raises
   ``ferry.NotFound`` saying so, never reads freed memory.
 * Connections are bidirectional (the accepting side may also initiate).
-* Metadata bytes are Ferry engine metadata in a small envelope (GPU index and
-  same-host name), not UCCL's ip/port/BDF record; use ``Endpoint.parse_metadata``.
+* Metadata bytes are Ferry engine metadata in a small envelope (GPU index, its
+  PCI bus id and the same-host name), not UCCL's ip/port/BDF record; use
+  ``Endpoint.parse_metadata``, which gives the GPU's PCI bus id as UCCL's does.
 * The *_ipc calls take Ferry descriptors (64 bytes) and work on any connection.
 """
 from __future__ import annotations
@@ -95,6 +96,14 @@ class _Mr:
         self.region, self.cached = region, cached
 
 
+def _gpu_bdf(gpu: int) -> str:
+    """The PCI bus id of this process's GPU ``gpu`` ("" for none, or without CUDA)."""
+    if gpu < 0:
+        return ""
+    gpus = _ferry.gpus()
+    return gpus[gpu]["pci_bus_id"] if gpu < len(gpus) else ""
+
+
 def _contains(region, ptr: int, size: int) -> bool:
     return region.address <= ptr and ptr + size <= region.address + region.length
 
@@ -134,8 +143,9 @@ class Endpoint:
         self._passive = False
         gpu = f"-gpu{self.local_gpu_idx}" if self.local_gpu_idx >= 0 else ""
         self._local_name = f"ferry-{self._engine.id:016x}{gpu}"
+        self._gpu_bdf = _gpu_bdf(self.local_gpu_idx)
         self._metadata = _envelope.wrap(self.local_gpu_idx, self._local_name,
-                                        self._engine.metadata())
+                                        self._engine.metadata(), self._gpu_bdf)
         me = weakref.ref(self)
 
         def alive():
@@ -160,7 +170,7 @@ class Endpoint:
 
         self._listener = _local.LocalListener(self._local_name, self.local_gpu_idx,
                                               lambda: alive()._metadata, reserve, connected,
-                                              release)
+                                              release, gpu_bdf=self._gpu_bdf)
         self._finalizer = weakref.finalize(self, self._listener.stop)
 
     # ------------------------------------------------------------------ misc
@@ -207,13 +217,15 @@ class Endpoint:
     @staticmethod
     def parse_metadata(metadata: bytes):
         """(ip, port, gpu): the first tcp address and the endpoint's GPU identity, the
-        string ``connect_local`` takes ("" for bare Ferry engine metadata)."""
+        string ``connect_local`` takes: as UCCL's, the GPU's PCI bus id ("0000:18:00.0",
+        the same whatever each process's CUDA_VISIBLE_DEVICES); the endpoint's
+        same-host name for an endpoint without a GPU ("" for bare Ferry engine metadata)."""
         env = _envelope.unwrap(metadata)
         addrs = _parse_ferry_metadata(env.engine_metadata).tcp_addresses
         if not addrs:
             raise InvalidArgument("the engine metadata has no tcp address")
         ip, port = addrs[0]
-        return ip, port, env.local_name
+        return ip, port, env.gpu_bdf or env.local_name
 
     # ----------------------------------------------------------- connections
     def _new_conn(self, peer, local, remote_gpu, ip="") -> int:
@@ -364,7 +376,7 @@ class Endpoint:
         cid = self._new_conn(self._engine.peer(pid), True, env.local_name)
         with self._lock:
             self._reserved_pids.discard(pid)
-        return True, env.local_name, cid
+        return True, env.gpu_bdf or env.local_name, cid
 
     # --------------------------------------------------------------- memory
     def _add_mr(self, region, cached: bool) -> int:
