@@ -35,7 +35,7 @@ probe=$!
 
 # --- 2. Ferry ---------------------------------------------------------------------------------
 export BUILD=${BUILD:-/tmp/b-gpuvis}
-TARGETS="ferry_cuda_ipc_test ferry_cuda_ipc_peer ferry_gpu_copy_test codec_test cuda_ipc_wire_test _ferry" \
+TARGETS="ferry_cuda_ipc_test ferry_cuda_ipc_peer ferry_gpu_copy_test codec_test cuda_ipc_wire_test ferry_python_devtree" \
   bench/device/build.sh -DFERRY_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" \
   > "$O/build.txt" 2>&1 || { echo "BUILD FAILED"; grep -E "error|FAILED" -A3 "$O/build.txt" | head -60; rc=1; }
 echo "built in $((SECONDS - t0)) s"
@@ -50,6 +50,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     -R '^gpu\.(two_gpus\.|one_gpu_each\.)?CudaIpc\.|GpusAreNamed|DescriptorCodec|DescriptorFields|CudaIpcAddress|GpuNames' \
     > "$O/tests.txt" 2>&1 || rc=1
   grep -E "tests passed|Failed|\*\*\*|Skipped|Not Run" "$O/tests.txt" | tail -30
+  grep -cE "Test +#.*one_gpu_each.*Passed" "$O/tests.txt" | sed 's/^/gpu.one_gpu_each tests passed: /'
   echo "tests done at $((SECONDS - t0)) s"
 fi
 
