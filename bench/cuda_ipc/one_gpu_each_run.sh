@@ -53,6 +53,14 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   grep -cE "Test +#.*one_gpu_each.*Passed" "$O/tests.txt" | sed 's/^/gpu.one_gpu_each tests passed: /'
   echo "tests done at $((SECONDS - t0)) s"
 fi
+# The one-GPU-each suite once more, verbose: ctest counts a test gtest skipped as passed.
+if [ -z "${SKIP_TESTS:-}" ] || [ -n "${ONE_GPU_EACH_TESTS:-}" ]; then
+  CUDA_VISIBLE_DEVICES=0 FERRY_TEST_PEER_VISIBLE_DEVICES=1 "$BUILD/tests/gpu/ferry_cuda_ipc_test" \
+    > "$O/one_gpu_each.txt" 2>&1 || rc=1
+  grep -E "^\[ *(OK|FAILED|SKIPPED|PASSED) *\]" "$O/one_gpu_each.txt" | tail -40
+  grep -m3 -iE "skipped:" "$O/one_gpu_each.txt"
+  echo "one GPU each (gtest, verbose) done at $((SECONDS - t0)) s"
+fi
 
 # --- 4. UCCL's GPU identity test, unmodified ---------------------------------------------------
 export FERRY_PYTHONPATH=$BUILD/python
