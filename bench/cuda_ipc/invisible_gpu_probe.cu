@@ -6,7 +6,9 @@
 // kernel, pinned host memory to and from. Every byte is checked; the exporter
 // checks what the importer wrote. Bandwidth of 256 MiB copies is printed.
 //
-//   ferry-invisible-gpu-probe [A B]      (default 0 1; needs two GPUs)
+//   ferry-invisible-gpu-probe [A B [pidns]]   (default 0 1; needs two GPUs)
+// pidns: the exporter also runs in a child PID namespace (`unshare --pid
+// --fork --mount-proc`), as a container beside ours would.
 //
 // Lines "PROBE <what>: ok|FAIL ..." and a last "PROBE RESULT ok|FAIL".
 #include <cuda.h>
@@ -278,6 +280,9 @@ int main(int argc, char** argv) {
   if (argc == 3 && std::strcmp(argv[1], "--exporter") == 0) return exporter(std::atoi(argv[2]));
   if (argc == 3 && std::strcmp(argv[1], "--importer") == 0) return importer(std::atoi(argv[2]));
   const std::string a = argc >= 3 ? argv[1] : "0", b = argc >= 3 ? argv[2] : "1";
+  const bool pidns = argc >= 4 && std::strcmp(argv[3], "pidns") == 0;
+  char self[4096] = {};
+  if (readlink("/proc/self/exe", self, sizeof self - 1) <= 0) return 2;
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return 2;
   auto spawn = [&](const char* role, const std::string& visible, int fd) {
@@ -285,13 +290,18 @@ int main(int argc, char** argv) {
     if (pid == 0) {
       setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
       const std::string s = std::to_string(fd);
-      execl("/proc/self/exe", argv[0], role, s.c_str(), static_cast<char*>(nullptr));
+      if (pidns && std::strcmp(role, "--exporter") == 0) {
+        execlp("unshare", "unshare", "--pid", "--fork", "--mount-proc", self, role, s.c_str(),
+               static_cast<char*>(nullptr));
+      } else {
+        execl(self, self, role, s.c_str(), static_cast<char*>(nullptr));
+      }
       _exit(127);
     }
     return pid;
   };
-  std::printf("PROBE importer CUDA_VISIBLE_DEVICES=%s, exporter CUDA_VISIBLE_DEVICES=%s\n",
-              a.c_str(), b.c_str());
+  std::printf("PROBE importer CUDA_VISIBLE_DEVICES=%s, exporter CUDA_VISIBLE_DEVICES=%s%s\n",
+              a.c_str(), b.c_str(), pidns ? ", exporter in a child PID namespace" : "");
   std::fflush(stdout);
   const pid_t ex = spawn("--exporter", b, sv[0]);
   const pid_t im = spawn("--importer", a, sv[1]);

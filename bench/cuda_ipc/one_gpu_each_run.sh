@@ -3,7 +3,8 @@
 # seeing only its own GPU does (issue 26). Results in $OUT:
 #   probe.txt      bench/cuda_ipc/invisible_gpu_probe.cu: what the driver allows
 #                  (legacy IPC handle and cuMem POSIX descriptor of an invisible
-#                  GPU's memory, copies both ways by copy engine and by kernel)
+#                  GPU's memory, copies both ways by copy engine and by kernel;
+#                  then with the exporter in a child PID namespace, SKIP_PIDNS=1 not)
 #   build.txt      Ferry with its tests and the Python module (bench/device/build.sh)
 #   tests.txt      ctest: gpu.CudaIpc.*, gpu.two_gpus.CudaIpc.*, gpu.one_gpu_each.CudaIpc.*
 #                  (this process CUDA_VISIBLE_DEVICES=0, the target =1), the GPU
@@ -30,7 +31,8 @@ rc=0
 # --- 1. the probe, on its own (nvcc only), while Ferry builds ------------------------------
 (nvcc -std=c++17 -O2 -arch=sm_90 -o /tmp/ferry-invisible-gpu-probe bench/cuda_ipc/invisible_gpu_probe.cu \
    -lcuda > "$O/probe.txt" 2>&1 && /tmp/ferry-invisible-gpu-probe 0 1 >> "$O/probe.txt" 2>&1 &&
-   /tmp/ferry-invisible-gpu-probe 1 0 >> "$O/probe.txt" 2>&1) &
+   /tmp/ferry-invisible-gpu-probe 1 0 >> "$O/probe.txt" 2>&1 &&
+   { [ -n "${SKIP_PIDNS:-}" ] || /tmp/ferry-invisible-gpu-probe 0 1 pidns >> "$O/probe.txt" 2>&1; }) &
 probe=$!
 
 # --- 2. Ferry ---------------------------------------------------------------------------------

@@ -223,19 +223,18 @@ Status send_now(int fd, const Bytes& frame, int pass = -1) {
 }
 
 // The peer's pid as this process's pid namespace sees it (the kernel
-// translates it); never a pid the peer claims.
+// translates it), 0 when it is not visible there; never a pid the peer claims.
 Result<pid_t> peer_pid(int fd) {
   ucred cred{};
   socklen_t len = sizeof cred;
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
     return err::Internal(fmt::format("shm: SO_PEERCRED failed: {}", errno_text(errno)));
   }
-  if (cred.pid <= 0) {
-    return err::NotSupported(
-        "shm: the peer's pid is not visible from this process's pid namespace; cross-memory "
-        "attach needs it");
-  }
-  return cred.pid;
+  // 0: the peer lives in a pid namespace this one cannot see into (a
+  // container beside ours, or our parent's when we are the contained one).
+  // Cross-memory attach then cannot reach it -- the probe says so -- and the
+  // connection stages bytes through shared memory, which needs no pid.
+  return cred.pid > 0 ? cred.pid : 0;
 }
 
 Result<sockaddr_un> unix_address(const std::string& path) {

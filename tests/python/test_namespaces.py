@@ -1,0 +1,127 @@
+"""Two processes of one kernel in different namespaces, host memory (issue 26,
+containers): one in a child PID namespace (`unshare --pid --fork --mount-proc`),
+and one that also has a private /tmp (a tmpfs mounted in its own mount
+namespace). Every byte is checked by the target, and peer.transports() must say
+which transport carried host memory and why. Needs unshare(1) and the right to
+create namespaces (root); skipped with the reason otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ferry
+
+PEER = str(Path(__file__).with_name("namespace_peer.py"))
+SIZE = 8 << 20
+PID_NS = ["unshare", "--pid", "--fork", "--mount-proc"]
+# A private /tmp as well: the peers cannot see each other's Unix sockets there.
+PRIVATE_TMP = ["unshare", "--mount", "--pid", "--fork", "--mount-proc", "sh", "-c",
+               'mount -t tmpfs ferry-private-tmp /tmp && exec "$0" "$@"']
+
+
+def _namespaces_usable() -> str:
+    if shutil.which("unshare") is None:
+        return "unshare(1) is not installed"
+    r = subprocess.run(PID_NS + ["true"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a PID namespace here: {r.stderr.strip()}"
+    r = subprocess.run(PRIVATE_TMP + ["true"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot mount a private /tmp here: {r.stderr.strip()}"
+    return ""
+
+
+WHY_NOT = _namespaces_usable()
+pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "-")
+
+
+class Peer:
+    def __init__(self, role: str, prefix: list[str]):
+        env = dict(os.environ)
+        pkg = str(Path(ferry.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = pkg + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.p = subprocess.Popen(prefix + [sys.executable, PEER, role, str(SIZE)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.ready = self.line().split()
+        assert self.ready and self.ready[0] == "ready", self.ready
+
+    def line(self) -> str:
+        out = self.p.stdout.readline().strip()
+        assert out, f"peer exited (rc {self.p.poll()})"
+        return out
+
+    def ask(self, cmd: str) -> str:
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        return self.line()
+
+    def close(self):
+        try:
+            self.p.stdin.write("exit\n")
+            self.p.stdin.flush()
+        except OSError:
+            pass
+        try:
+            self.p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def _transfer(target_prefix, initiator_prefix):
+    """Connects, writes 1 byte, 4 KiB and 8 MiB of fresh random bytes, checks each on the
+    target; returns the initiator's peer.transports()."""
+    target = Peer("target", target_prefix)
+    initiator = Peer("initiator", initiator_prefix)
+    try:
+        answer = initiator.ask(f"connect {target.ready[1]} {target.ready[2]}")
+        assert answer.startswith("connected "), answer
+        transports = json.loads(answer[len("connected "):])
+        for seed, n in ((1, 1), (2, 4096), (3, SIZE)):
+            assert initiator.ask(f"write {seed} {n}") == "wrote"
+            assert target.ask(f"check {seed} {n}") == "ok", f"{n} bytes"
+        return transports
+    finally:
+        initiator.close()
+        target.close()
+
+
+def _host_carrier(transports):
+    for t in transports:
+        routes = [r.strip() for r in (t.get("carries") or "").split(",")]
+        if "host memory" in routes or t.get("carries") == "host and GPU memory":
+            return t
+    raise AssertionError(f"no transport carries host memory: {transports}")
+
+
+def test_target_in_a_child_pid_namespace():
+    # The target cannot see the initiator's pid (it lives in the parent namespace), so
+    # cross-memory attach is impossible for it; shm must still carry the bytes, staged
+    # through shared memory, and say so.
+    t = _host_carrier(_transfer(PID_NS, []))
+    assert t["transport"] == "shm", t
+    assert "shared memory (CMA refused" in t["via"] and "pid namespace" in t["via"], t
+
+
+def test_initiator_in_a_child_pid_namespace():
+    t = _host_carrier(_transfer([], PID_NS))
+    assert t["transport"] == "shm", t
+    assert "shared memory (CMA refused" in t["via"], t
+
+
+def test_private_tmp_falls_back_to_the_network_transport_and_says_why():
+    # Separate mount namespaces with their own /tmp: the shm control socket of one is not
+    # in the other's /tmp. Host memory then goes over a network transport on loopback
+    # (fabric where libfabric loads, else tcp), with shm's reason reported.
+    ts = _transfer(PRIVATE_TMP, [])
+    t = _host_carrier(ts)
+    assert t["transport"] in ("fabric", "tcp"), ts
+    shm = [x for x in ts if x["transport"] == "shm"]
+    assert shm and not shm[0]["connected"] and shm[0]["reason"], ts
