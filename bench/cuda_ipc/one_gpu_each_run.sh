@@ -16,7 +16,8 @@
 #
 #   run(command="bench/cuda_ipc/one_gpu_each_run.sh", kind="nvidia-h100-x2",
 #       carry=[".devcarry/root", ".devcarry/wheels-nixl", ".devcarry/uccl"])
-# SKIP_TESTS=1, SKIP_UCCL=1, SKIP_BENCH=1 leave parts out; BENCH_ARGS go to bench.py.
+# SKIP_TESTS=1, SKIP_UCCL=1, SKIP_BENCH=1, SKIP_PIDNS=1 leave parts out; TESTS_REGEX
+# replaces the ctest selection; BENCH_ARGS go to bench.py.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 O=${OUT:-/tmp/out}
@@ -49,7 +50,7 @@ export LD_LIBRARY_PATH=$PWD/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY
 # --- 3. tests ---------------------------------------------------------------------------------
 if [ -z "${SKIP_TESTS:-}" ]; then
   ctest --test-dir "$BUILD" -j2 --timeout 300 --output-on-failure \
-    -R '^gpu\.(two_gpus\.|one_gpu_each\.)?CudaIpc\.|GpusAreNamed|DescriptorCodec|DescriptorFields|CudaIpcAddress|GpuNames' \
+    -R "${TESTS_REGEX:-^gpu\.(two_gpus\.|one_gpu_each\.)?CudaIpc\.|GpusAreNamed|DescriptorCodec|DescriptorFields|CudaIpcAddress|GpuNames}" \
     > "$O/tests.txt" 2>&1 || rc=1
   grep -E "tests passed|Failed|\*\*\*|Skipped|Not Run" "$O/tests.txt" | tail -30
   grep -cE "Test +#.*one_gpu_each.*Passed" "$O/tests.txt" | sed 's/^/gpu.one_gpu_each tests passed: /'
