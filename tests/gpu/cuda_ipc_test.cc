@@ -8,8 +8,8 @@
 // which the target copies (PUSH_EXPORT + COPY_REQ).
 // Random data; every byte checked by the target process itself (FNV-1a of its
 // memory). Skips, with the reason, where no CUDA device answers.
-// Run a third way (ctest gpu.one_gpu_each.*): this process with
-// CUDA_VISIBLE_DEVICES=0, the target with FERRY_TEST_PEER_VISIBLE_DEVICES (1),
+// Run a third way (ctest gpu.one_gpu_each.*, FERRY_TEST_ONE_GPU_EACH=0,1): this
+// process with CUDA_VISIBLE_DEVICES=0, the target with CUDA_VISIBLE_DEVICES=1,
 // as serving stacks launch their workers -- neither process sees the other's
 // GPU, and every test above must pass all the same.
 #include <cuda_runtime_api.h>
@@ -34,6 +34,20 @@ namespace ferry {
 namespace {
 
 constexpr size_t kLocalSize = 64u << 20;
+
+// ctest's gpu.one_gpu_each.* sets FERRY_TEST_ONE_GPU_EACH=A,B (one variable:
+// gtest_discover_tests passes only the first of several): this process sees
+// GPU A only, the target GPU B only. Applied before main(), so before CUDA
+// reads CUDA_VISIBLE_DEVICES.
+[[maybe_unused]] const bool kOneGpuEachApplied = [] {
+  const char* v = std::getenv("FERRY_TEST_ONE_GPU_EACH");
+  const std::string s = v != nullptr ? v : "";
+  const size_t comma = s.find(',');
+  if (comma == std::string::npos) return false;
+  setenv("CUDA_VISIBLE_DEVICES", s.substr(0, comma).c_str(), 1);
+  setenv("FERRY_TEST_PEER_VISIBLE_DEVICES", s.substr(comma + 1).c_str(), 1);
+  return true;
+}();
 
 // The target's CUDA_VISIBLE_DEVICES when it is to see another GPU than this
 // process ("" when both see the same GPUs).
