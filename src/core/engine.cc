@@ -170,7 +170,17 @@ class Engine::Impl {
                       hex_id(m->engine_id), hex_id(peer)));
     }
     std::lock_guard lock(peers_mu_);
-    handshake_metadata_[peer] = std::move(m.value());
+    if (handshake_metadata_.insert_or_assign(peer, std::move(m.value())).second) {
+      handshake_metadata_order_.push_back(peer);
+    }
+    // Anyone who reaches the port can send metadata under ever new engine
+    // ids (a group that never completes is not even a peer that goes away):
+    // the oldest entries go first. connect(host:port) reads its entry right
+    // after its own handshake.
+    while (handshake_metadata_.size() > kMaxHandshakeMetadata) {
+      handshake_metadata_.erase(handshake_metadata_order_.front());
+      handshake_metadata_order_.pop_front();
+    }
     return Status::Ok();
   }
 
@@ -516,6 +526,8 @@ class Engine::Impl {
   bool merge_iovs_ = true;
   std::set<PeerId> known_;
   std::map<PeerId, EngineMetadata> handshake_metadata_;  // under peers_mu_
+  std::deque<PeerId> handshake_metadata_order_;          // insertion order, under peers_mu_
+  static constexpr size_t kMaxHandshakeMetadata = 256;
   Bytes metadata_;  // ours, written once before metadata_ready_
   std::atomic<bool> metadata_ready_{false};
   std::mutex notify_mu_;

@@ -14,6 +14,7 @@
 #include <regex>
 #include <sstream>
 
+#include "core/metadata.h"
 #include "fixture.h"
 #include "raw_conn.h"
 
@@ -288,6 +289,50 @@ TEST_F(HostileInput, PeersThatWentAwayAreForgottenPastABound) {
     EXPECT_EQ(recent.rfind("OK", 0), 0u) << "recent peer " << i << " was forgotten: " << recent;
   }
   ASSERT_TRUE(peer_->Alive());
+}
+
+// Handshakes of revision 2 under ever new engine ids, each with ~60 KiB of
+// metadata, for a group of two streams whose second never comes (so no peer
+// ever comes up or goes away): what the target keeps of such metadata is
+// bounded (256 entries), so its memory does not grow by the ~90 MB sent.
+TEST_F(HostileInput, HandshakeMetadataUnderNewIdsCostsBoundedMemory) {
+  ASSERT_TRUE(peer_->Alive());
+  const uint64_t rss_before = ResidentKiB(pid_);
+  constexpr uint64_t kHandshakes = 1500;
+  const uint64_t base = 0x8000'0000ull;
+  for (uint64_t i = 0; i < kHandshakes; ++i) {
+    EngineMetadata m;
+    m.engine_id = base + i;
+    m.protocol_version = kProtocolVersion;
+    m.hostname = "hostile";
+    m.host_id = "not-this-host";
+    for (int t = 0; t < 16; ++t) {
+      m.transports.push_back({"t" + std::to_string(t), Bytes(3700, static_cast<uint8_t>(i))});
+    }
+    const Bytes ours = m.encode();
+    ASSERT_GT(ours.size(), 56u * 1024);
+    RawConn c(peer_->listen);
+    ASSERT_TRUE(c.ok()) << "connection " << i;
+    Hello h = MakeHello(base + i);
+    h.stream_count = 2;
+    h.handshake_revision = kHandshakeRevisionMetadata;
+    h.metadata_bytes = static_cast<uint32_t>(ours.size());
+    ASSERT_TRUE(c.Send(&h, sizeof h));
+    HelloReply reply{};
+    ASSERT_TRUE(c.RecvExact(&reply, sizeof reply, 10s)) << "connection " << i;
+    ASSERT_EQ(reply.status, 0) << "connection " << i;
+    ASSERT_EQ(reply.handshake_revision, kHandshakeRevisionMetadata);
+    Bytes theirs(reply.message_bytes);
+    ASSERT_TRUE(c.RecvExact(theirs.data(), theirs.size(), 10s));
+    ASSERT_TRUE(c.Send(ours));
+    ASSERT_TRUE(c.RecvExact(&reply, sizeof reply, 10s)) << "connection " << i;
+    ASSERT_EQ(reply.status, 0) << "the target refused the metadata of connection " << i;
+  }  // each closed by us, its group incomplete
+  ASSERT_TRUE(peer_->Alive());
+  const uint64_t rss_after = ResidentKiB(pid_);
+  EXPECT_LT(rss_after, rss_before + 32 * 1024)
+      << "the target's RSS grew from " << rss_before << " KiB to " << rss_after << " KiB after "
+      << kHandshakes << " handshakes with ~60 KiB of metadata each";
 }
 
 }  // namespace
