@@ -171,7 +171,7 @@ run_tests() {
   else
     log "sanitizer build failed"; status=1
   fi
-  log "fuzzing (bounded: ${FERRY_FUZZ_SECONDS:-20} s per target)"
+  log "fuzzing (bounded: ${FERRY_FUZZ_SECONDS:-20} s for tcp frames, half for the handshake, a quarter per decoder target)"
   FERRY_FUZZ_SECONDS=${FERRY_FUZZ_SECONDS:-20} FERRY_FUZZ_BUILD_DIR="$BUILD-fuzz" \
     "$ROOT/tests/fuzz/run.sh" || status=$?
   if [ -f "$ROOT/pyproject.toml" ] && [ -d "$ROOT/tests/python" ]; then
