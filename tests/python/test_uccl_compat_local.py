@@ -4,6 +4,7 @@ a second process, random data and every byte checked. Host memory only (the
 GPU paths run with UCCL's own scripts on the device: bench/uccl/)."""
 import multiprocessing as mp
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -385,3 +386,57 @@ def test_metadata_names_the_gpu_by_pci_bus_id():
             ep.close()
     with pytest.raises(ferry.InvalidArgument):
         ferry.gpu_ordinal("gpu0")
+
+
+def _only_transport(metadata: bytes, keep: str) -> bytes:
+    """Engine metadata re-encoded with one transport's address (layout: ferry/_metadata.py)."""
+    import zlib
+
+    from ferry._metadata import parse_metadata
+
+    m = parse_metadata(metadata)
+
+    def s16(text):
+        return struct.pack("<H", len(text.encode())) + text.encode()
+
+    body = (b"FRYM" + struct.pack("<HHQ", m.format_version, m.protocol_version, m.engine_id)
+            + s16(m.hostname) + s16(m.host_id) + struct.pack("<H", 1) + s16(keep)
+            + struct.pack("<I", len(m.transports[keep])) + m.transports[keep])
+    return body + struct.pack("<I", zlib.crc32(body) & 0xFFFFFFFF)
+
+
+def test_accept_waits_for_the_tcp_address_a_hello_announces():
+    # A peer shows up over shm before our tcp side lists its connection (the
+    # connecting side's connect returns first): accept() must not hand it out
+    # with no ip then. Here that window is held open: shm first, the hello that
+    # says its tcp is up, then tcp.
+    from ferry.compat.uccl import _peer_info
+
+    a = p2p.Endpoint(0, listen="127.0.0.1:0")
+    if "shm" not in ferry._metadata.parse_metadata(a.engine.metadata()).transports:
+        a.close()
+        pytest.skip("this engine runs no shm transport")
+    c = ferry.Engine("127.0.0.1:0")
+    peer = c.connect(_only_transport(a.engine.metadata(), "shm"))
+    peer.notify(_peer_info.hello(7, tcp_up=True))
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(a.accept(timeout=60)))
+    waiter.start()
+    waiter.join(0.5)
+    assert not got  # shm alone: no ip to give yet, and the hello says tcp is coming
+    ip, port = p2p.Endpoint.parse_metadata(a.get_metadata())[:2]
+    assert c.connect(f"{ip}:{port}").id == peer.id
+    waiter.join(60)
+    assert got and got[0][:3] == (True, "127.0.0.1", 7)
+    # A peer whose hello says it has no tcp is handed out without waiting for
+    # one (no deadline here to fall back on), with no ip.
+    d = ferry.Engine("127.0.0.1:0")
+    d.connect(_only_transport(a.engine.metadata(), "shm")).notify(_peer_info.hello(3, False))
+    got.clear()
+    waiter = threading.Thread(target=lambda: got.append(a.accept()), daemon=True)
+    waiter.start()
+    waiter.join(60)
+    assert got and got[0][:3] == (True, "", 3)
+    c.close()
+    d.close()
+    a.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import queue
 import socket
-import struct
 import threading
 import time
 import weakref
@@ -36,7 +35,7 @@ import weakref
 from ... import _ferry
 from ..._errors import InvalidArgument, NotFound, NotSupported, Timeout
 from ..._metadata import parse_metadata as _parse_ferry_metadata
-from . import _envelope, _local
+from . import _envelope, _local, _peer_info
 from ._types import UINT64_MAX, BadArgument, FloatType, InvalidConnId
 from ._xfer_desc import XferDesc, as_desc, deserialize, serialize
 
@@ -50,9 +49,11 @@ kFloat32 = FloatType.kFloat32
 kFloat8E4M3FN = FloatType.kFloat8E4M3FN
 kFloat8E5M2 = FloatType.kFloat8E5M2
 
-# Sent by connect()/add_remote_endpoint() so the peer's accept() learns our GPU.
-_HELLO = b"\0ferry-uccl-hello\0"
-_ACCEPT_HELLO_WAIT = 1.0  # s accept() waits for a peer's hello before answering gpu -1
+# How long accept() waits for the hello (GPU index) of a peer that sent none yet
+# before answering gpu -1, counted from when our side lists the peer's network
+# connection: a connecting endpoint sends it as soon as its connect returns, a bare
+# Ferry engine never (nothing in engine metadata tells the two apart).
+_ACCEPT_HELLO_WAIT = 2.0  # s
 
 
 def get_oob_ip() -> str:
@@ -129,8 +130,9 @@ class Endpoint:
         self._by_metadata: dict[bytes, int] = {}
         self._known_pids: set[int] = set()  # connected by us or handed out: not accept()ed
         self._reserved_pids: set[int] = set()  # mid connect_local handshake
-        self._first_seen: dict[int, float] = {}
-        self._hello_gpu: dict[int, int] = {}
+        self._first_seen: dict[int, float] = {}  # pid -> when accept() first listed it
+        self._network_seen: dict[int, float] = {}  # pid -> when its network link was listed
+        self._hellos: dict[int, tuple] = {}  # pid -> (gpu, tcp_up) from _peer_info.parse_hello
         self._notifications: list = []  # others' notifications drained by accept()
         self._local_queue: queue.Queue = queue.Queue()
         self._mrs: dict[int, _Mr] = {}
@@ -245,7 +247,8 @@ class Endpoint:
 
     def _hello(self, peer) -> None:
         try:
-            peer.notify(_HELLO + struct.pack("<i", self.local_gpu_idx))
+            tcp_up = _peer_info.tcp_connected(peer.transports())
+            peer.notify(_peer_info.hello(self.local_gpu_idx, tcp_up))
         except Exception:  # only costs the peer's accept() the GPU index
             pass
 
@@ -285,36 +288,63 @@ class Endpoint:
 
     def _drain_hellos(self) -> None:
         for pid, payload in self._engine.notifications():
-            if payload.startswith(_HELLO) and len(payload) == len(_HELLO) + 4:
-                self._hello_gpu[pid] = struct.unpack("<i", payload[len(_HELLO):])[0]
+            hello = _peer_info.parse_hello(payload)
+            if hello is not None:
+                self._hellos[pid] = hello
             else:
                 self._notifications.append((pid, payload))
 
     def accept(self, timeout: float | None = None):
         """Block until a peer not yet handed out connects: (True, ip, gpu, conn_id).
 
-        ip is the peer's address as this engine sees the connection; gpu is the peer
-        endpoint's local_gpu_idx (-1 for a bare Ferry engine, which sends none).
+        ip is the peer's address on the network connection this engine has with it
+        ("" when only same-host transports such as shm reach it); gpu is the peer
+        endpoint's local_gpu_idx (-1 for a bare Ferry engine, which sends none). A
+        peer is handed out once both are known; at the timeout, with what is known.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._drain_hellos()
             now = time.monotonic()
+            waiting = []
             for pid in self._engine.peers():
                 with self._lock:
                     if pid in self._known_pids or pid in self._reserved_pids:
                         continue
-                first = self._first_seen.setdefault(pid, now)
-                gpu = self._hello_gpu.get(pid)
-                if gpu is None and now - first < _ACCEPT_HELLO_WAIT:
+                try:
+                    transports = self._engine.peer_transports(pid)
+                except NotFound:  # gone again
                     continue
-                ip = self._peer_ip(pid)
-                cid = self._new_conn(self._engine.peer(pid), False, -1 if gpu is None else gpu,
-                                     ip)
-                return True, ip, (-1 if gpu is None else gpu), cid
+                ip = _peer_info.network_ip(transports)
+                if self._accept_ready(pid, transports, ip, now):
+                    return self._hand_out(pid, ip)
+                waiting.append((pid, ip))
             if deadline is not None and now >= deadline:
+                if waiting:  # connected, but its hello or tcp address is late
+                    return self._hand_out(*waiting[0])
                 raise Timeout(f"accept(): no new peer within {timeout} s")
             time.sleep(0.002)
+
+    def _accept_ready(self, pid: int, transports, ip, now: float) -> bool:
+        first = self._first_seen.setdefault(pid, now)
+        tcp = _peer_info.tcp_connected(transports)
+        hello = self._hellos.get(pid)
+        if hello is not None:
+            tcp_up = hello[1]
+            if tcp_up is None:  # older hello: no word on tcp, wait for it a while
+                return tcp or now - first >= _ACCEPT_HELLO_WAIT
+            return tcp or not tcp_up  # its tcp is up: ours lists it a moment later
+        # No hello yet: wait for one, counting from when the connection is complete
+        # here (the sender's connect returns, and it sends, after the last transport).
+        since = self._network_seen.setdefault(pid, now) if ip is not None else first
+        return now - since >= _ACCEPT_HELLO_WAIT
+
+    def _hand_out(self, pid: int, ip):
+        hello = self._hellos.get(pid)
+        gpu = -1 if hello is None else hello[0]
+        ip = ip or ""
+        cid = self._new_conn(self._engine.peer(pid), False, gpu, ip)
+        return True, ip, gpu, cid
 
     def notifications(self) -> list:
         """Ferry extension: notifications received (accept() takes them off the engine
@@ -322,14 +352,6 @@ class Endpoint:
         self._drain_hellos()
         out, self._notifications = self._notifications, []
         return out
-
-    def _peer_ip(self, pid: int) -> str:
-        try:
-            address = self._engine.peer_address(pid)
-        except NotFound:  # gone again already: no address to give
-            return ""
-        host, _, _port = address.rpartition(":")
-        return host.strip("[]")
 
     def start_passive_accept(self) -> bool:
         # Ferry's engine accepts every incoming connection on its own threads.
