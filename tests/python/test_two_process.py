@@ -1,5 +1,6 @@
 """Two Python processes moving numpy buffers with every operation; data verified."""
-import time
+import threading
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -198,12 +199,29 @@ def test_batch_100k_entries(engine, target):
     src = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
     region = engine.register(src)
     offs = np.arange(n, dtype=np.uint64) * block
-    t0 = time.perf_counter()
-    peer.write_batch(region, offs, desc, None, offs[::-1].copy(), block, notify=b"100k")
-    call_ns = (time.perf_counter() - t0) * 1e9
-    # The binding's own work (columns -> iov arrays) is a small part of the call.
-    binding_ns = ferry._ferry._last_binding_ns()
-    assert 0 < binding_ns < 0.10 * call_ns, (binding_ns, call_ns)
+    remote = offs[::-1].copy()
+    # The binding reads the numpy columns in place: it makes no Python object or
+    # array per entry (a copy of one column alone is n * 8 bytes of traced memory).
+    # What its work costs is shown by bench/python_bench.py --batch-entries, not
+    # asserted here. It records that cost per thread: a fresh thread reads 0 before
+    # its first call and this call's figure after it.
+    seen = {}
+
+    def call():
+        seen["before"] = ferry._ferry._last_binding_ns()
+        tracemalloc.start()
+        try:
+            peer.write_batch(region, offs, desc, None, remote, block, notify=b"100k")
+            seen["peak"] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        seen["after"] = ferry._ferry._last_binding_ns()
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join(60)
+    assert seen["before"] == 0 and seen["after"] > 0, seen
+    assert seen["peak"] < n * 8 // 4, seen
     assert target.call("wait_notes", 1, 30.0) == [(engine.id, b"100k")]
     got = np.frombuffer(target.call("get", "big"), dtype=np.uint8).reshape(n, block)
     assert np.array_equal(got[::-1], src.reshape(n, block))
