@@ -24,6 +24,20 @@ namespace {
 using namespace std::chrono_literals;
 using namespace ferry::tcp;
 
+// Under AddressSanitizer freed memory stays resident in its quarantine (256
+// MB by default), so the RSS bounds are checked only in plain builds.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssMeasurable = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kRssMeasurable = false;
+#else
+constexpr bool kRssMeasurable = true;
+#endif
+#else
+constexpr bool kRssMeasurable = true;
+#endif
+
 // What the target allows for a handshake (tcp.connect_timeout_ms) here.
 constexpr auto kHandshakeDeadline = 1000ms;
 // The tcp transport's limiter: lines written one by one per window.
@@ -187,8 +201,10 @@ TEST_F(HostileInput, GarbageConnectionsCostBoundedLogLinesDescriptorsAndMemory) 
       << " hostile connections than before";
   // Memory: no per-connection growth worth the name (8 MiB would be 16 KiB each).
   const uint64_t rss_after = ResidentKiB(pid_);
-  EXPECT_LT(rss_after, rss_before + 8 * 1024)
-      << "the target's RSS grew from " << rss_before << " KiB to " << rss_after << " KiB";
+  if (kRssMeasurable) {
+    EXPECT_LT(rss_after, rss_before + 8 * 1024)
+        << "the target's RSS grew from " << rss_before << " KiB to " << rss_after << " KiB";
+  }
 
   // Log lines while it runs: kBurst per window (started) at most, a summary each.
   const auto windows = static_cast<uint64_t>(elapsed / kWindow) + 1;
@@ -330,9 +346,11 @@ TEST_F(HostileInput, HandshakeMetadataUnderNewIdsCostsBoundedMemory) {
   }  // each closed by us, its group incomplete
   ASSERT_TRUE(peer_->Alive());
   const uint64_t rss_after = ResidentKiB(pid_);
-  EXPECT_LT(rss_after, rss_before + 32 * 1024)
-      << "the target's RSS grew from " << rss_before << " KiB to " << rss_after << " KiB after "
-      << kHandshakes << " handshakes with ~60 KiB of metadata each";
+  if (kRssMeasurable) {
+    EXPECT_LT(rss_after, rss_before + 32 * 1024)
+        << "the target's RSS grew from " << rss_before << " KiB to " << rss_after << " KiB after "
+        << kHandshakes << " handshakes with ~60 KiB of metadata each";
+  }
 }
 
 }  // namespace
