@@ -244,11 +244,17 @@ TEST_F(HostileInput, HalfOpenConnectionsAreClosedAfterTheHandshakeDeadline) {
     }
   }
   // The target holds them while the deadline runs (the check is not vacuous).
-  const size_t fds_holding = OpenDescriptors(pid_);
-  if (Clock::now() - t0 < kHandshakeDeadline / 2) {
-    EXPECT_GE(fds_holding, fds_before + kHalfOpen / 2)
-        << "the target did not hold the half-open connections at all";
+  // Its I/O thread accepts them at its own pace (slowly on a loaded machine),
+  // and each is held for a whole deadline from its accept, so the peak count
+  // within one deadline of the first connect is what shows it.
+  size_t fds_holding = OpenDescriptors(pid_);
+  while (fds_holding < fds_before + kHalfOpen / 2 && Clock::now() - t0 < kHandshakeDeadline) {
+    std::this_thread::sleep_for(5ms);
+    fds_holding = std::max(fds_holding, OpenDescriptors(pid_));
   }
+  EXPECT_GE(fds_holding, fds_before + kHalfOpen / 2)
+      << "the target never held more than " << fds_holding - fds_before << " of " << kHalfOpen
+      << " half-open connections at once";
   EXPECT_TRUE(peer_->Alive()) << "half-open connections blocked the target";
   for (int i = 0; i < kHalfOpen; ++i) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
