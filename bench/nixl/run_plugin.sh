@@ -2,6 +2,8 @@
 # Runs NIXL's own Python API -- the `nixl` wheel from PyPI, not
 # ferry.compat.nixl -- on Ferry's NIXL backend plugin, libplugin_FERRY.so,
 # loaded through NIXL_PLUGIN_DIR with backends=["FERRY"]:
+# its vtable compared with the wheel's POSIX plugin (check_plugin_abi.py), then,
+# each with Ferry's automatic transport choice and with tcp alone:
 #   1. tests/nixl_plugin/two_peers.py: two agents in two processes, READ of 64
 #      shuffled pieces with a notification, WRITE with a notification, repost,
 #      refusals (a deregistered region, unknown parameters); every byte checked;
@@ -64,7 +66,7 @@ verdict() {  # name rc t0 log1 regex1 [log2 regex2]
 }
 two_procs() {  # name, script, target args, initiator args, target regex, initiator regex
   local name=$1 script=$2 targs=$3 iargs=$4 tre=$5 ire=$6 t0=$SECONDS rc=0
-  local base=${name%% *}; base=${base%.py}
+  local base=${name%% *}; base=${base%.py}-${FERRY_ENGINE_TRANSPORTS:-auto}
   local tlog="$OUT/$base-target.log" ilog="$OUT/$base-initiator.log"
   (cd "$OUT/work" && timeout --kill-after=10 "$TIMEOUT" "$PYTHON" "$script" $targs) >"$tlog" 2>&1 &
   local tpid=$!
@@ -74,20 +76,32 @@ two_procs() {  # name, script, target args, initiator args, target regex, initia
   verdict "$name" $rc $t0 "$tlog" "$tre" "$ilog" "$ire"
 }
 
-port=$(free_port); seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')
-two_procs two_peers.py "$ROOT/tests/nixl_plugin/two_peers.py" \
-  "--role target --port $port --seed $seed" "--role initiator --port $port --seed $seed" \
-  "^\[target\] PASS" "^\[initiator\] PASS"
+# The plugin's vtable against the wheel's own POSIX plugin (check_plugin_abi.py).
+wheel_plugins=$("$PYTHON" -c 'import nixl._api as a, pathlib; p = pathlib.Path(a.__file__).parent; print(p.parent / f".{p.name}.mesonpy.libs" / "plugins")')
+t0=$SECONDS
+"$PYTHON" "$ROOT/bench/nixl/check_plugin_abi.py" "$wheel_plugins" "$PLUGIN_DIR/libplugin_FERRY.so" >"$OUT/abi.log" 2>&1
+verdict "ABI: FERRY's backend vtable slot by slot against the wheel's libplugin_POSIX.so ($(grep -o '[0-9]* slots' "$OUT/abi.log" | head -1))" $? $t0 "$OUT/abi.log" "vtables agree"
 
-case "$probe" in
-  *TORCH\ *)
-    port=$(free_port)
-    two_procs "expanded_two_peers.py --backend FERRY" "$NIXL/examples/python/expanded_two_peers.py" \
-      "--mode target --ip 127.0.0.1 --port $port --backend FERRY" \
-      "--mode initiator --ip 127.0.0.1 --port $port --backend FERRY" \
-      "Target data verification passed" "Initiator final data verification passed" ;;
-  *) note "SKIP  expanded_two_peers.py --backend FERRY — torch is not installed for $PYTHON (the example allocates torch tensors)" ;;
-esac
+# Each twice: Ferry's automatic transport choice (shm, two processes of one
+# host), then tcp alone (FERRY_ENGINE_TRANSPORTS=tcp), the path between hosts.
+for transports in auto tcp; do
+  export FERRY_ENGINE_TRANSPORTS=$transports
+  port=$(free_port); seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+  two_procs "two_peers.py [$transports]" "$ROOT/tests/nixl_plugin/two_peers.py" \
+    "--role target --port $port --seed $seed" "--role initiator --port $port --seed $seed" \
+    "^\[target\] PASS" "^\[initiator\] PASS"
+  case "$probe" in
+    *TORCH\ *)
+      port=$(free_port)
+      two_procs "expanded_two_peers.py --backend FERRY [$transports]" \
+        "$NIXL/examples/python/expanded_two_peers.py" \
+        "--mode target --ip 127.0.0.1 --port $port --backend FERRY" \
+        "--mode initiator --ip 127.0.0.1 --port $port --backend FERRY" \
+        "Target data verification passed" "Initiator final data verification passed" ;;
+    *) note "SKIP  expanded_two_peers.py --backend FERRY [$transports] — torch is not installed for $PYTHON (the example allocates torch tensors)" ;;
+  esac
+done
+unset FERRY_ENGINE_TRANSPORTS
 note "SKIP  basic_two_peers.py — it takes no backend argument: its agents ask for NIXL's default backend (UCX), so it cannot run on FERRY unmodified"
 note "# $failed failed; logs in $OUT"
 [ $failed -eq 0 ]

@@ -27,30 +27,35 @@ case "$where" in *ferry*) echo "SKIP: $PYTHON resolves nixl to Ferry's shim ($wh
 echo "NIXL: $where; plugin: $PLUGIN_DIR/libplugin_FERRY.so"
 
 OUT=$(mktemp -d /tmp/nixl-plugin-test.XXXXXX)
-port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 export NIXL_PLUGIN_DIR=$PLUGIN_DIR PYTHONUNBUFFERED=1
-timeout --kill-after=5 120 "$PYTHON" "$HERE/two_peers.py" --role target --port "$port" --seed "$seed" \
-  >"$OUT/target.log" 2>&1 &
-tpid=$!
-sleep 0.5
-timeout --kill-after=5 120 "$PYTHON" "$HERE/two_peers.py" --role initiator --port "$port" --seed "$seed" \
-  >"$OUT/initiator.log" 2>&1
-irc=$?
-wait $tpid
-trc=$?
-for side in target initiator; do sed "s/^/  $side| /" "$OUT/$side.log"; done
 fail=0
-[ $irc -eq 0 ] && [ $trc -eq 0 ] || { echo "FAIL: exit status target $trc, initiator $irc"; fail=1; }
-for side in target initiator; do
-  grep -q "^\[$side\] PASS" "$OUT/$side.log" || { echo "FAIL: $side did not pass"; fail=1; }
-done
-# Every refusal is logged by the backend, naming the thing.
-for pattern in \
-  "nixl backend FERRY \(agent 'initiator'\): READ of .* with agent 'target' \(transfer [0-9]+\) failed: NotFound" \
-  "unknown FERRY backend parameter 'bogus'" \
-  "cannot start the Ferry engine .*tcp.streams"; do
-  grep -Eq "$pattern" "$OUT/initiator.log" || { echo "FAIL: the initiator's log lacks: $pattern"; fail=1; }
+# Twice: Ferry's automatic choice (shm between two processes of one host), then
+# tcp alone (FERRY_ENGINE_TRANSPORTS), the path between hosts.
+for transports in auto tcp; do
+  echo "== engine.transports=$transports"
+  port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  seed=$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+  FERRY_ENGINE_TRANSPORTS=$transports timeout --kill-after=5 120 "$PYTHON" "$HERE/two_peers.py" \
+    --role target --port "$port" --seed "$seed" >"$OUT/target.log" 2>&1 &
+  tpid=$!
+  sleep 0.5
+  FERRY_ENGINE_TRANSPORTS=$transports timeout --kill-after=5 120 "$PYTHON" "$HERE/two_peers.py" \
+    --role initiator --port "$port" --seed "$seed" >"$OUT/initiator.log" 2>&1
+  irc=$?
+  wait $tpid
+  trc=$?
+  for side in target initiator; do sed "s/^/  $side| /" "$OUT/$side.log"; done
+  [ $irc -eq 0 ] && [ $trc -eq 0 ] || { echo "FAIL: exit status target $trc, initiator $irc"; fail=1; }
+  for side in target initiator; do
+    grep -q "^\[$side\] PASS" "$OUT/$side.log" || { echo "FAIL: $side did not pass"; fail=1; }
+  done
+  # Every refusal is logged by the backend, naming the thing.
+  for pattern in \
+    "nixl backend FERRY \(agent 'initiator'\): READ of .* with agent 'target' \(transfer [0-9]+\) failed: NotFound" \
+    "unknown FERRY backend parameter 'bogus'" \
+    "cannot start the Ferry engine .*tcp.streams"; do
+    grep -Eq "$pattern" "$OUT/initiator.log" || { echo "FAIL: the initiator's log lacks: $pattern"; fail=1; }
+  done
 done
 rm -rf "$OUT"
 [ $fail -eq 0 ] && echo "PASS"
