@@ -26,6 +26,12 @@ Status status_from_wire(uint32_t code, std::string message) {
   return Status(static_cast<StatusCode>(code), std::move(message));
 }
 
+// The status of a read whose response bytes were dropped because cancel()
+// had begun: the same words Engine::cancel() records.
+Status cancelled_read(const Transfer& t) {
+  return err::Cancelled(fmt::format("transfer {} was cancelled by the caller", t.id()));
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------- Worker ---
@@ -655,6 +661,10 @@ bool TcpTransport::rx_payload(Stream& s) {
     // Hold io_mu while bytes land in the caller's memory (see Transfer).
     std::lock_guard lock(t->io_mu);
     if (t->cancelled && !dst.done()) {
+      // These bytes will not be placed, so the read must not end Ok: this
+      // frame may be its last and complete it before cancel() records
+      // Cancelled (a read answered Ok with its buffer partly unwritten).
+      t->note_error(cancelled_read(*t));
       s.discard_left += dst.remaining();
       dst.advance(dst.remaining());
     }
@@ -706,9 +716,9 @@ void TcpTransport::finish_payload(Stream& s) {
       Transfer& t = *p->transfer;
       {
         std::lock_guard lock(t.io_mu);
-        if (t.cancelled) {
+        if (t.cancelled) {  // the bytes stay in the slot: not placed
           p->slot.reset();
-          on_response(p, Status::Ok());
+          on_response(p, cancelled_read(t));
           return;
         }
         t.tx_begin();  // the copy writes the caller's GPU memory; cancel waits
