@@ -44,8 +44,19 @@ ENGINES = {
     "iperf3": ("iperf3", {}),  # one TCP stream on loopback, iperf3 -l BLOCK
     "memcpy": ("memcpy", {}),  # one process: the same bytes copied by numpy
 }
+# A/B of a change: PEERS_BASELINE=DIR (a build's python/ folder, e.g. the
+# ferry_python_devtree of another checkout, or a copy of it: its ferry/libferry.so.0.1
+# is loaded rather than the one the module's RUNPATH names) adds "Ferry tcp baseline" and
+# "Ferry baseline", the same rows with that build's module, and the ratios of
+# this tree's rows to them.
+if os.environ.get("PEERS_BASELINE"):
+    _base = {"PYTHONPATH": os.environ["PEERS_BASELINE"],
+             "LD_LIBRARY_PATH": os.path.join(os.environ["PEERS_BASELINE"], "ferry")}
+    ENGINES["Ferry tcp baseline"] = ("ferry", {**ENGINES["Ferry tcp"][1], **_base})
+    ENGINES["Ferry baseline"] = ("ferry", _base)
 # Run unless --engines names others (the copy-thread variants are asked for).
-DEFAULT_ENGINES = [n for n in ENGINES if "copy thread" not in n and "8 streams" not in n]
+DEFAULT_ENGINES = [n for n in ENGINES
+                   if "copy thread" not in n and "8 streams" not in n and "baseline" not in n]
 # Quiet logs for every engine (Mooncake logs each completed batch at INFO).
 QUIET = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "warn"}
 # name, block bytes, iovs per call
@@ -54,7 +65,9 @@ WORKLOADS = [("4KiB x 64", 4096, 64), ("64KiB x 8", 65536, 8), ("1MiB x 8", 1 <<
 RATIOS = [("Ferry", "NIXL"), ("Ferry", "NIXL progthread"), ("Ferry", "Mooncake"),
           ("Ferry", "Ferry 4 copy threads"), ("Ferry 1 copy thread", "NIXL"),
           ("Ferry tcp", "NIXL tcp"), ("Ferry tcp", "NIXL tcp progthread"), ("Ferry tcp", "iperf3"),
-          ("Ferry tcp", "Mooncake"), ("Ferry tcp 8 streams", "NIXL tcp"), ("Ferry tcp 8 streams", "iperf3"), ("Ferry staging", "NIXL"), ("Ferry", "memcpy")]
+          ("Ferry tcp", "Mooncake"), ("Ferry tcp 8 streams", "NIXL tcp"), ("Ferry tcp 8 streams", "iperf3"), ("Ferry staging", "NIXL"), ("Ferry", "memcpy"),
+          ("Ferry tcp", "Ferry tcp baseline"), ("Ferry", "Ferry baseline"), ("Ferry tcp baseline", "NIXL tcp"),
+          ("Ferry tcp baseline", "iperf3")]
 
 
 def call_driver(name, args, extra, timeout):
