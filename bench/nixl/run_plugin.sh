@@ -52,6 +52,16 @@ note "# plugin: $PLUGIN_DIR/libplugin_FERRY.so; python: $PYTHON — $(tr '\n' ' 
 case "$probe" in *"from "*ferry*|*Error*) note "FAIL: $PYTHON does not import NIXL's wheel"; exit 1 ;; esac
 
 free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# The target's NIXL listener must be up before the initiator sends its metadata
+# there (NIXL sends it once): wait for the port to listen, without connecting.
+wait_listening() {  # port pid
+  for _ in $(seq 600); do
+    [ -n "$(ss -ltnH "sport = :$1" 2>/dev/null)" ] && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
 failed=0
 verdict() {  # name rc t0 log1 regex1 [log2 regex2]
   local name=$1 rc=$2 t0=$3 ok=1; shift 3
@@ -70,7 +80,8 @@ two_procs() {  # name, script, target args, initiator args, target regex, initia
   local tlog="$OUT/$base-target.log" ilog="$OUT/$base-initiator.log"
   (cd "$OUT/work" && timeout --kill-after=10 "$TIMEOUT" "$PYTHON" "$script" $targs) >"$tlog" 2>&1 &
   local tpid=$!
-  sleep 0.5
+  local tport=${targs##*--port }; tport=${tport%% *}
+  wait_listening "$tport" $tpid || note "      the target is not listening on $tport"
   (cd "$OUT/work" && timeout --kill-after=10 "$TIMEOUT" "$PYTHON" "$script" $iargs) >"$ilog" 2>&1 || rc=$?
   wait $tpid || rc=$((rc ? rc : $?))
   verdict "$name" $rc $t0 "$tlog" "$tre" "$ilog" "$ire"

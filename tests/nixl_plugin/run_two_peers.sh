@@ -26,6 +26,16 @@ where=$("$PYTHON" -c 'import nixl._api as a, nixl_meta_utils; print(a.__file__)'
 case "$where" in *ferry*) echo "SKIP: $PYTHON resolves nixl to Ferry's shim ($where), not NIXL's wheel"; exit 77 ;; esac
 echo "NIXL: $where; plugin: $PLUGIN_DIR/libplugin_FERRY.so"
 
+# The target's NIXL listener must be up before the initiator sends its metadata
+# there (NIXL sends it once): wait for the port to listen, without connecting.
+wait_listening() {  # port pid
+  for _ in $(seq 600); do
+    [ -n "$(ss -ltnH "sport = :$1" 2>/dev/null)" ] && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
 OUT=$(mktemp -d /tmp/nixl-plugin-test.XXXXXX)
 export NIXL_PLUGIN_DIR=$PLUGIN_DIR PYTHONUNBUFFERED=1
 fail=0
@@ -38,7 +48,7 @@ for transports in auto tcp; do
   FERRY_ENGINE_TRANSPORTS=$transports timeout --kill-after=5 120 "$PYTHON" "$HERE/two_peers.py" \
     --role target --port "$port" --seed "$seed" >"$OUT/target.log" 2>&1 &
   tpid=$!
-  sleep 0.5
+  wait_listening "$port" $tpid || echo "the target is not listening on $port"
   FERRY_ENGINE_TRANSPORTS=$transports timeout --kill-after=5 120 "$PYTHON" "$HERE/two_peers.py" \
     --role initiator --port "$port" --seed "$seed" >"$OUT/initiator.log" 2>&1
   irc=$?
@@ -53,7 +63,10 @@ for transports in auto tcp; do
   for pattern in \
     "nixl backend FERRY \(agent 'initiator'\): READ of .* with agent 'target' \(transfer [0-9]+\) failed: NotFound" \
     "unknown FERRY backend parameter 'bogus'" \
-    "cannot start the Ferry engine .*tcp.streams"; do
+    "cannot start the Ferry engine .*tcp.streams" \
+    "nixl backend FERRY \(agent 'tamper-check'\): loadRemoteMD of agent 'target' .* is not a Ferry descriptor" \
+    "WRITE of .* (with|to) agent 'target'.*: PeerDisconnected" \
+    "WRITE to the exited target refused: nixlRemoteDisconnectError"; do
     grep -Eq "$pattern" "$OUT/initiator.log" || { echo "FAIL: the initiator's log lacks: $pattern"; fail=1; }
   done
 done

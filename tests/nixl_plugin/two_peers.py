@@ -8,13 +8,15 @@ Metadata goes over NIXL's listener sockets; the bytes over Ferry. The initiator
 READs the target's random bytes in 64 shuffled pieces (with a notification),
 WRITEs its own random bytes into the target (with a notification, after which
 the target checks every byte), reposts the READ, then checks that the backend
-refuses what it must: a READ of memory the target deregistered, and backend
-parameters FERRY does not know. Prints PASS on success; any failure raises.
+refuses what it must: metadata whose Ferry descriptor was changed, a READ of
+memory the target deregistered, backend parameters FERRY does not know, and a
+WRITE to the target after its process exited. Prints PASS on success; any failure raises.
 """
 
 import argparse
 import os
 import pickle
+import struct
 import sys
 import time
 
@@ -90,13 +92,14 @@ def target(args, rng_read, rng_write):
     readable = rng_read.integers(0, 256, SIZE, dtype=np.uint8)
     writable = np.zeros(SIZE, dtype=np.uint8)
     reg_read = agent.register_memory(agent.get_reg_descs(descs_of(readable), "DRAM"))
-    reg_write = agent.register_memory(agent.get_reg_descs(descs_of(writable), "DRAM"))
+    agent.register_memory(agent.get_reg_descs(descs_of(writable), "DRAM"))
     expected_write = rng_write.integers(0, 256, SIZE, dtype=np.uint8)
 
     wait_for("the initiator's metadata", lambda: agent.check_remote_metadata("initiator"))
     offer = (
         agent.get_serialized_descs(agent.get_xfer_descs(xfer_descs_of(readable), "DRAM")),
         agent.get_serialized_descs(agent.get_xfer_descs(xfer_descs_of(writable), "DRAM")),
+        agent.get_agent_metadata(),
     )
     agent.send_notif("initiator", pickle.dumps(offer))
     log("target", "sent its descriptors")
@@ -114,8 +117,9 @@ def target(args, rng_read, rng_write):
     agent.deregister_memory(reg_read)
     agent.send_notif("initiator", b"deregistered")
     expect_notif(agent, "initiator", b"bye", received)
-    agent.deregister_memory(reg_write)
+    # Exits with `writable` registered: the initiator's next WRITE finds it gone.
     log("target", "PASS")
+    os._exit(0)
 
 
 def initiator(args, rng_read, rng_write):
@@ -135,6 +139,7 @@ def initiator(args, rng_read, rng_write):
     remote_read = agent.deserialize_descs(offer[0])
     remote_write = agent.deserialize_descs(offer[1])
     read_base, write_base = remote_read[0][0], remote_write[0][0]
+    check_tampered_metadata(offer[2], read_base)
 
     # READ in 64 pieces, local piece i <- remote piece perm[i].
     piece = SIZE // PIECES
@@ -197,7 +202,55 @@ def initiator(args, rng_read, rng_write):
             raise AssertionError(f"backend parameters {params} were accepted")
 
     agent.send_notif("target", b"bye")
+    check_dead_peer(agent, source, write_base)
     log("initiator", "PASS")
+
+
+def check_tampered_metadata(metadata, read_base):
+    """The target's metadata with one byte of a region's Ferry descriptor changed
+    (its address, which the descriptor's checksum covers): loadRemoteMD refuses it."""
+    address = struct.pack("<Q", read_base)
+    at = metadata.find(address)
+    while at >= 0 and metadata[at - 24 : at - 22] != b"FD":
+        at = metadata.find(address, at + 1)
+    if at < 0:
+        raise AssertionError("no Ferry descriptor of the target's region in its metadata")
+    tampered = bytearray(metadata)
+    tampered[at] ^= 0x40
+    other = make_agent("tamper-check", 0)
+    try:
+        other.add_remote_agent(bytes(tampered))
+    except Exception as e:
+        log("initiator", f"metadata with a changed descriptor refused: {e!r}")
+    else:
+        raise AssertionError("metadata with a changed Ferry descriptor was accepted")
+
+
+def check_dead_peer(agent, source, write_base):
+    """WRITEs until the target's process is gone: then posting fails, not hangs."""
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        try:
+            handle = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs(xfer_descs_of(source), "DRAM"),
+                agent.get_xfer_descs([(write_base, SIZE, 0)], "DRAM"),
+                "target",
+            )
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+        except Exception as e:
+            if not type(e).__name__.startswith("nixl"):
+                raise
+            log("initiator", f"WRITE to the exited target refused: {e!r}")
+            return
+        if state != "DONE":
+            log("initiator", f"WRITE to the exited target ended {state}")
+            return
+        agent.release_xfer_handle(handle)
+        time.sleep(0.05)
+    raise AssertionError("WRITEs to the target still succeed after it exited")
 
 
 def run(agent, handle, notif=b""):
