@@ -7,6 +7,8 @@ the ratio Ferry / NIXL, and --json.
 
     python bench/nixl/nixl_api_bench.py --nixl-python /path/venv-with-nixl/bin/python \
         --ferry-python .venv/bin/python [--rounds 3] [--json out.json]
+    python bench/nixl/nixl_api_bench.py --nixl-python ... --systems nixl,plugin \
+        --plugin-dir build/nixl_plugins     # NIXL's agent on UCX vs on libplugin_FERRY.so
 
 The initiator runs NIXL's fastest configuration: nixl_agent_config(
 enable_prog_thread=False) (it then progresses in the caller's polls); the target
@@ -49,6 +51,12 @@ def _publish(path: str, data: bytes) -> None:
     open(path + ".done", "w").close()
 
 
+def _backend() -> str:
+    """The NIXL backend the workers ask for: UCX, or FERRY (the plugin) in the
+    'plugin' system, which sets NIXL_BENCH_BACKEND and NIXL_PLUGIN_DIR."""
+    return os.environ.get("NIXL_BENCH_BACKEND", "UCX")
+
+
 def _arena_bytes(inflight: int) -> int:
     return max(b * n for _, b, n in WORKLOADS) * max(inflight, 1)
 
@@ -56,7 +64,7 @@ def _arena_bytes(inflight: int) -> int:
 def target(args) -> None:
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
-    agent = nixl_agent("bench-target", nixl_agent_config(backends=["UCX"]))
+    agent = nixl_agent("bench-target", nixl_agent_config(backends=[_backend()]))
     buf = np.zeros(_arena_bytes(args.inflight), np.uint8)
     agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     _publish(os.path.join(args.dir, "target.md"), agent.get_agent_metadata())
@@ -74,7 +82,7 @@ class NixlApi:
     def __init__(self, args, buf):
         from nixl._api import nixl_agent, nixl_agent_config
         self.agent = nixl_agent("bench-initiator", nixl_agent_config(enable_prog_thread=False,
-                                                                     backends=["UCX"]))
+                                                                     backends=[_backend()]))
         self.agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
         self.name = self.agent.add_remote_agent(_wait_file(os.path.join(args.dir, "target.md")))
         self.remote_base = int(_wait_file(os.path.join(args.dir, "target.addr")))
@@ -209,6 +217,8 @@ def run_once(python: str, env_extra: dict, api: str, args) -> dict:
 
 
 def harness(args) -> None:
+    if args.systems != "nixl,ferry,ferry-native":
+        return harness_of(args, args.systems.split(","))
     import shutil
     shim = tempfile.mkdtemp(prefix="ferry-nixl-shim-")
     # FERRY_PYTHONPATH: a build's package folder, when ferry is not installed.
@@ -246,6 +256,46 @@ def harness(args) -> None:
             json.dump({"rounds": runs, "median": med, "inflight": args.inflight}, f, indent=1)
 
 
+def harness_of(args, names) -> None:
+    """Any of the systems, side by side against the first: 'nixl' (NIXL on UCX) and
+    'plugin' (NIXL's own agent on libplugin_FERRY.so, --plugin-dir) need only
+    --nixl-python; 'ferry' and 'ferry-native' are the default harness's."""
+    nixl_env = {"PYTHONPATH": os.environ.get("NIXL_PYTHONPATH", "")}
+    known = {"nixl": (args.nixl_python, nixl_env, "nixl"),
+             "plugin": (args.nixl_python, dict(nixl_env, NIXL_BENCH_BACKEND="FERRY",
+                                               NIXL_PLUGIN_DIR=os.path.abspath(args.plugin_dir)),
+                        "nixl")}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"--systems: {unknown} (this harness runs {sorted(known)})")
+    runs = {k: [] for k in names}
+    for r in range(args.rounds):  # alternate: the machine's slow spells hit every system
+        for which in (names if r % 2 == 0 else names[::-1]):
+            py, env, api = known[which]
+            runs[which].append(run_once(py, env, api, args))
+            print(f"round {r + 1} {which}: {runs[which][-1]}", file=sys.stderr, flush=True)
+    med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+    label = {"nixl": "NIXL (UCX)", "plugin": "NIXL FERRY"}
+    first = names[0]
+    head = f"{'workload (WRITE, host memory, ' + str(args.inflight) + ' in flight)':<42}"
+    head += "".join(f"{label[k]:>12}" for k in names)
+    short = {"nixl": "UCX", "plugin": "FERRY"}
+    head += "".join(f"{short[k] + '/' + short[first]:>12}" for k in names[1:])
+    print(head)
+    for wname, _, _ in WORKLOADS:
+        row = f"{wname + ' GB/s':<42}" + "".join(f"{med[k][wname]:>12.3f}" for k in names)
+        print(row + "".join(f"{med[k][wname] / med[first][wname]:>12.2f}" for k in names[1:]))
+    for m in ("lat_p50_us", "lat_p99_us"):
+        row = f"{'blocking 4 KiB WRITE ' + m[4:7] + ' us':<42}"
+        row += "".join(f"{med[k][m]:>12.1f}" for k in names)
+        print(row + "".join(f"{med[first][m] / med[k][m]:>12.2f}" for k in names[1:]))
+    print(f"(medians of {args.rounds} alternating rounds, one NIXL wheel; ratios > 1 favour the "
+          "later column; latency ratios are inverted so that > 1 = faster)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": runs, "median": med, "inflight": args.inflight}, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--role", choices=["harness", "target", "initiator"], default="harness")
@@ -258,6 +308,11 @@ def main() -> None:
     p.add_argument("--lat-iters", type=int, default=2000)
     p.add_argument("--bytes-per-point", type=float, default=2e9)
     p.add_argument("--json")
+    p.add_argument("--systems", default="nixl,ferry,ferry-native",
+                   help="comma list; 'nixl,plugin' compares NIXL's UCX backend with "
+                        "libplugin_FERRY.so under the same NIXL wheel (needs --plugin-dir)")
+    p.add_argument("--plugin-dir", default="build/nixl_plugins",
+                   help="folder holding libplugin_FERRY.so, for the 'plugin' system")
     args = p.parse_args()
     {"harness": harness, "target": target, "initiator": initiator}[args.role](args)
 
