@@ -46,6 +46,10 @@ const OptionSpec kEngineOptionSpecs[] = {
     {"engine.wait_spin_us", OptionType::kUint, "100",
      "wait() on a transfer of up to 256 KiB spins this long before sleeping (0: sleep at once)", 0,
      100000},
+    {kGpuSameHostPathOption, OptionType::kString, "auto",
+     "how GPU memory moves between engines of one host: auto (cuda_ipc where it connects, else "
+     "staged through shm's shared host memory, never loopback tcp while shm is connected), or "
+     "forced: cuda_ipc, shm_staged, tcp"},
     {"engine.merge_iovs", OptionType::kBool, "true",
      "iovs of one call that continue each other on both sides (the next local address and the "
      "next remote offset of the same descriptor) reach the transport as one segment"},
@@ -108,6 +112,9 @@ class Engine::Impl {
     log_to_stderr();
     wait_spin_ = std::chrono::microseconds(options_.get_uint("engine.wait_spin_us"));
     merge_iovs_ = options_.get_bool("engine.merge_iovs");
+    auto gpu_path = parse_gpu_same_host_path(options_.get_string(kGpuSameHostPathOption));
+    if (!gpu_path.ok()) return gpu_path.status();
+    transports_.set_gpu_path(*gpu_path);
     spdlog::set_level(parsed);
     // register_memory tells GPU memory from host memory (host-only without CUDA).
     set_memory_kind_detector(&cuda_detect_memory_kind);
@@ -500,6 +507,15 @@ class Engine::Impl {
     }
     spdlog::info("ferry: peer {} on {} ({}): {}", hex_id(peer), m.hostname,
                  same_host ? "this host" : "another host", describe_routes(peer));
+    // Said once per connect: GPU memory staged through shared host memory,
+    // and why (a fallback warns; a forced choice only informs).
+    bool forced = false;
+    if (std::string why = transports_.gpu_staging_reason(peer, &forced); !why.empty()) {
+      spdlog::log(forced ? spdlog::level::info : spdlog::level::warn,
+                  "ferry: peer {} on this host: GPU memory goes through shm's shared host memory "
+                  "(two copy-engine copies) because {}",
+                  hex_id(peer), why);
+    }
     return peer;
   }
 

@@ -158,12 +158,51 @@ TransportCaps TransportSet::caps_for(const Running& t, PeerId peer) {
 const TransportSet::Running* TransportSet::pick(PeerId peer, MemoryRoute route, bool host_pairs,
                                                 bool peer_gpu) const {
   for (const Running& t : running_) {
-    if (can_carry(caps_for(t, peer), route, host_pairs, peer_gpu) &&
-        t.transport->is_connected(peer)) {
+    if (route != MemoryRoute::kHostOnly &&
+        !gpu_path_allows(gpu_path_, t.name, t.caps.same_host_only)) {
+      continue;
+    }
+    // Host memory never varies by peer: no per-peer question on that path.
+    const TransportCaps caps = route == MemoryRoute::kHostOnly ? t.caps : caps_for(t, peer);
+    if (can_carry(caps, route, host_pairs, peer_gpu) && t.transport->is_connected(peer)) {
       return &t;
     }
   }
   return nullptr;
+}
+
+std::string TransportSet::gpu_staging_reason(PeerId peer, bool* forced) const {
+  bool over_shm = false;
+  for (MemoryRoute route : kAllRoutes) {
+    if (route == MemoryRoute::kHostOnly) continue;
+    const Running* t = pick(peer, route);
+    over_shm = over_shm || (t != nullptr && t->name == "shm");
+  }
+  if (forced) *forced = gpu_path_ == GpuSameHostPath::kShmStaged;
+  if (!over_shm) return {};
+  if (gpu_path_ == GpuSameHostPath::kShmStaged) {
+    return fmt::format("{}=shm_staged", kGpuSameHostPathOption);
+  }
+  for (const TransportInfo& u : unavailable_) {
+    if (u.name == "cuda_ipc") return "cuda_ipc does not run here: " + u.detail;
+  }
+  const Running* ipc = nullptr;
+  for (const Running& t : running_) {
+    if (t.name == "cuda_ipc") ipc = &t;
+  }
+  if (ipc == nullptr) return "cuda_ipc does not run here";
+  if (!ipc->transport->is_connected(peer)) {
+    std::lock_guard lock(mu_);
+    if (auto n = unused_.find(peer); n != unused_.end()) {
+      if (auto r = n->second.find("cuda_ipc"); r != n->second.end()) {
+        return "cuda_ipc is not connected: " + r->second;
+      }
+    }
+    return "cuda_ipc is not connected";
+  }
+  // Connected, yet some GPU route goes over shm: one cuda_ipc cannot carry
+  // (a batch with host memory on both sides of some iov).
+  return "cuda_ipc does not carry every GPU route to this peer";
 }
 
 Result<Transport*> TransportSet::choose(PeerId peer, MemoryRoute route, bool host_pairs,
@@ -204,6 +243,7 @@ std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
     caps.push_back(caps_for(t, peer));
     limits.push_back(t.transport->peer_limits(peer));
   }
+  const std::string staging_why = gpu_staging_reason(peer);
   std::lock_guard lock(mu_);
   const auto notes = unused_.find(peer);
   std::vector<PeerTransportInfo> out;
@@ -219,6 +259,10 @@ std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
       const MemoryRoute route = kAllRoutes[r];
       if (chosen[r] == &t) {
         carries.emplace_back(memory_route_name(route));
+      } else if (route != MemoryRoute::kHostOnly && can_carry(caps[k], route) &&
+                 !gpu_path_allows(gpu_path_, t.name, t.caps.same_host_only)) {
+        taken.push_back(fmt::format("{} not by {} ({}={})", memory_route_name(route), t.name,
+                                    kGpuSameHostPathOption, gpu_same_host_path_name(gpu_path_)));
       } else if (can_carry(caps[k], route) && chosen[r] != nullptr) {
         taken.push_back(fmt::format("{} carries {}", chosen[r]->name, memory_route_name(route)));
       }
@@ -226,6 +270,12 @@ std::vector<PeerTransportInfo> TransportSet::describe_peer(PeerId peer) const {
     }
     info.carries = fmt::format("{}", fmt::join(carries, ", "));
     if (info.connected) info.via = t.transport->peer_address(peer);
+    const bool carries_gpu = std::any_of(std::begin(kAllRoutes), std::end(kAllRoutes), [&](auto r) {
+      return r != MemoryRoute::kHostOnly && chosen[static_cast<size_t>(r)] == &t;
+    });
+    if (info.connected && t.name == "shm" && carries_gpu && !staging_why.empty()) {
+      info.via += fmt::format(" (GPU memory staged: {})", staging_why);
+    }
     if (!info.connected) {
       if (notes != unused_.end()) {
         if (auto n = notes->second.find(t.name); n != notes->second.end()) info.reason = n->second;

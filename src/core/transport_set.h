@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/gpu_path.h"
 #include "ferry/engine.h"
 #include "transport/transport.h"
 
@@ -50,6 +51,10 @@ class TransportSet {
       const std::string& selection, const TransportContext& base,
       const std::function<std::unique_ptr<TransportEvents>(std::string_view)>& make_events);
   void shutdown(const Status& reason);
+  // engine.gpu_same_host_path: which same-host transports may carry GPU
+  // memory (set before any call).
+  void set_gpu_path(GpuSameHostPath path) { gpu_path_ = path; }
+  GpuSameHostPath gpu_path() const { return gpu_path_; }
 
   const std::vector<Running>& running() const { return running_; }
   std::vector<TransportInfo> describe() const;
@@ -76,6 +81,11 @@ class TransportSet {
   // Drops what is kept about a peer that went away (its reasons above).
   void forget(PeerId peer);
   std::vector<PeerTransportInfo> describe_peer(PeerId peer) const;
+  // When GPU memory to `peer` goes through shm's staging areas: why not
+  // cuda_ipc ("cuda_ipc is not connected: ...", "engine.gpu_same_host_path=
+  // shm_staged"); empty when no GPU route goes over shm. `forced`: the
+  // option chose it (not a fallback).
+  std::string gpu_staging_reason(PeerId peer, bool* forced = nullptr) const;
 
  private:
   const Running* pick(PeerId peer, MemoryRoute route, bool host_pairs = false,
@@ -85,6 +95,7 @@ class TransportSet {
 
   std::vector<Running> running_;  // by rank; fixed after start()
   std::vector<TransportInfo> unavailable_;
+  GpuSameHostPath gpu_path_ = GpuSameHostPath::kAuto;
   mutable std::mutex mu_;
   std::map<PeerId, std::map<std::string, std::string, std::less<>>> unused_;  // under mu_
 };

@@ -5,6 +5,7 @@
 
 #include "cuda/cuda_detect.h"
 #include "cuda/default_stream_mark.h"
+#include "cuda/host_device_copy.h"
 #include "ferry/gpu.h"
 
 namespace ferry {
@@ -81,6 +82,15 @@ CopyStreamStats CopyStream::stats() {
 }
 
 Status copy_blocks(std::span<const CopyBlock>, const CopyOptions&, int) {
+  return err::NotSupported(kReason);
+}
+
+Status cuda_pin_host_range(void*, uint64_t) {
+  return err::NotSupported(kReason);
+}
+void cuda_unpin_host_range(void*) {}
+Status cuda_copy_now(std::span<const HostDeviceCopy> copies) {
+  if (copies.empty()) return Status::Ok();
   return err::NotSupported(kReason);
 }
 

@@ -76,7 +76,8 @@ struct TransportCaps {
   // peer's GPU memory is out of one-sided reach).
   bool local_gpu_only = false;
   // What the transport carries depends on the peer: core asks
-  // capabilities_for(peer) for each call instead of using these.
+  // capabilities_for(peer) for each call with GPU memory instead of using
+  // these (host_memory must not vary: host-only calls use capabilities()).
   bool varies_by_peer = false;
   bool same_host_only = false;
   // connect() takes only the address blob from the peer's metadata (fabric),

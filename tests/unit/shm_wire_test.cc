@@ -354,6 +354,19 @@ TEST(ShmWire, HandshakeCarriesModesRefusalsAndAreas) {
   EXPECT_EQ(ad->cma_refusal, a.cma_refusal);
   EXPECT_EQ(ad->staging_bytes, a.staging_bytes);
   EXPECT_EQ(ad->mode, Mode::kAuto);
+  EXPECT_EQ(ad->features, 0u);
+  // The features word (reserved, and ignored, before kFeatureGpuAreas):
+  // round trip, and unknown bits dropped rather than refused.
+  HelloAck with_gpu = a;
+  with_gpu.features = kFeatureGpuAreas;
+  Bytes fb = split(encode_hello_ack(with_gpu)).body;
+  auto wg = decode_hello_ack(fb);
+  ASSERT_TRUE(wg.ok()) << wg.status().to_string();
+  EXPECT_EQ(wg->features, kFeatureGpuAreas);
+  fb[31] = 0x80;  // a future bit
+  wg = decode_hello_ack(fb);
+  ASSERT_TRUE(wg.ok()) << wg.status().to_string();
+  EXPECT_EQ(wg->features, kFeatureGpuAreas);
   for (size_t n = 0; n < af.body.size(); ++n) {
     GuardedBuffer g(ByteView(af.body).first(n));
     EXPECT_FALSE(decode_hello_ack(g.span()).ok()) << n;
@@ -391,14 +404,19 @@ TEST(ShmWire, HandshakeCarriesModesRefusalsAndAreas) {
     GuardedBuffer g(ByteView(df.body).first(n));
     EXPECT_FALSE(decode_hello_done(g.span()).ok()) << n;
   }
-  // Staging without an area, cma with one, an accepted connection without a
-  // mode.
+  // Staging without an area, an accepted connection without a mode. Cross-
+  // memory attach with an area decodes (GPU areas, kFeatureGpuAreas): the
+  // acceptor refuses it unless it offered that.
   HelloDone bad = d;
   bad.staging_bytes = 0;
   EXPECT_FALSE(decode_hello_done(split(encode_hello_done(bad)).body).ok());
-  bad = d;
-  bad.mode = Mode::kCma;
-  EXPECT_FALSE(decode_hello_done(split(encode_hello_done(bad)).body).ok());
+  HelloDone gpu_areas = d;
+  gpu_areas.mode = Mode::kCma;
+  gpu_areas.cma_refusal.clear();
+  auto ga = decode_hello_done(split(encode_hello_done(gpu_areas)).body);
+  ASSERT_TRUE(ga.ok()) << ga.status().to_string();
+  EXPECT_EQ(ga->mode, Mode::kCma);
+  EXPECT_EQ(ga->staging_bytes, gpu_areas.staging_bytes);
   bad = d;
   bad.mode = Mode::kAuto;
   bad.staging_bytes = 0;

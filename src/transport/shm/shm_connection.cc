@@ -266,7 +266,7 @@ Status ShmTransport::handshake_out(Connection& c, const ShmAddress& address, Pee
         Status(done.status().code(), fmt::format("shm: {}: {}", where, done.status().message())));
   }
   const Bytes frame = encode_hello_done(*done);
-  const ssize_t sent = send_frame_fd(c.fd, frame, c.staged ? c.own.fd() : -1);
+  const ssize_t sent = send_frame_fd(c.fd, frame, c.stages_gpu() ? c.own.fd() : -1);
   if (sent != static_cast<ssize_t>(frame.size())) {
     return lost(err::PeerDisconnected(fmt::format(
         "sending HELLO_DONE failed: {}",
@@ -291,6 +291,9 @@ std::string staging_text(Mode ours, Mode theirs, const std::string& refusal) {
 bool modes_conflict(Mode a, Mode b) {
   return (a == Mode::kCma && b == Mode::kStaging) || (a == Mode::kStaging && b == Mode::kCma);
 }
+
+constexpr const char* kCmaWithGpuAreas =
+    "cross-memory attach; GPU memory staged through shared host memory";
 
 std::string area_name(uint64_t engine, uint64_t peer) {
   return fmt::format("ferry-shm-{:016x}-to-{:016x}", engine, peer);
@@ -321,10 +324,29 @@ Result<HelloDone> ShmTransport::choose_mode(Connection& c, const HelloAck& ack,
     }
   }
   if (!forced_staging && refusal.empty()) {
-    for (int fd : fds) ::close(fd);  // the area offered in case we needed it
-    fds.clear();
     c.mode_text = "cross-memory attach";
     done.mode = Mode::kCma;
+    // Kept only where this process can copy GPU memory: elsewhere host
+    // memory behaves exactly as before.
+    if (cuda_here_ && (ack.features & kFeatureGpuAreas) != 0 && ack.staging_bytes > 0 &&
+        fds.size() == 1) {
+      // Both areas stay, for GPU memory; host memory goes by cross-memory attach.
+      const int fd = fds.front();
+      fds.clear();
+      auto theirs = StagingArea::adopt(fd, ack.staging_bytes);
+      if (!theirs.ok()) return theirs.status();
+      auto own = StagingArea::create(opt_.staging_bytes, area_name(ctx_.engine_id, c.peer));
+      if (!own.ok()) return own.status();
+      c.theirs = std::move(theirs.value());
+      c.own = std::move(own.value());
+      c.ring = StagingRing(c.own.size());
+      c.gpu_areas = true;
+      c.mode_text = kCmaWithGpuAreas;
+      done.staging_bytes = c.own.size();
+      return done;
+    }
+    for (int fd : fds) ::close(fd);  // the area offered in case we needed it
+    fds.clear();
     return done;
   }
   if (ack.staging_bytes == 0 || fds.size() != 1) {
@@ -464,6 +486,9 @@ Status ShmTransport::on_hello(Connection& c, const FrameHeader& h, ByteView body
     if (own.ok()) {
       c.own = std::move(own.value());
       ack.staging_bytes = c.own.size();
+      // The connecting engine may keep both areas in cross-memory attach
+      // mode too, for GPU memory.
+      if (opt_.gpu_areas) ack.features = kFeatureGpuAreas;
     } else if (forced_staging || !c.cma_refusal.empty()) {
       return refuse(own.status());
     } else {
@@ -517,16 +542,42 @@ Status ShmTransport::on_hello_done(Connection& c, ByteView body) {
                               .substr(done->cma_refusal.starts_with("shm: ") ? 5 : 0));
     c.mode_text = staging_text(opt_.mode, c.peer_mode, refusal);
   } else {
-    if (opt_.mode == Mode::kStaging || !c.cma_refusal.empty() || !c.rx_fds.empty()) {
+    // An area on a cma HELLO_DONE: both areas stay, for GPU memory -- only
+    // if we offered that (kFeatureGpuAreas).
+    const bool gpu_areas = !c.rx_fds.empty() || done->staging_bytes > 0;
+    if (opt_.mode == Mode::kStaging || !c.cma_refusal.empty() ||
+        (gpu_areas && (!opt_.gpu_areas || !c.own.valid()))) {
       return err::ProtocolError(
           fmt::format("{} chose cross-memory attach, but {}", who,
                       opt_.mode == Mode::kStaging ? "this engine runs with shm.mode=staging"
                       : !c.cma_refusal.empty()
                           ? fmt::format("this engine's probe of it failed: {}", c.cma_refusal)
-                          : std::string("its HELLO_DONE carries a descriptor")));
+                          : std::string("its HELLO_DONE carries a staging area this engine did "
+                                        "not ask for (no kFeatureGpuAreas)")));
     }
-    c.own.reset();
-    c.mode_text = "cross-memory attach";
+    if (gpu_areas) {
+      if (c.rx_fds.size() != 1 || done->staging_bytes == 0) {
+        return err::ProtocolError(fmt::format(
+            "{} kept GPU staging areas with {} descriptor(s) and an area of {} bytes on its "
+            "HELLO_DONE, expected one area",
+            who, c.rx_fds.size(), done->staging_bytes));
+      }
+      const int fd = c.rx_fds.front();
+      c.rx_fds.clear();
+      auto theirs = StagingArea::adopt(fd, done->staging_bytes);
+      if (!theirs.ok()) {
+        return Status(theirs.status().code(),
+                      fmt::format("{}: {}", who, theirs.status().message()));
+      }
+      c.theirs = std::move(theirs.value());
+      c.own.close_fd();
+      c.ring = StagingRing(c.own.size());
+      c.gpu_areas = true;
+      c.mode_text = kCmaWithGpuAreas;
+    } else {
+      c.own.reset();
+      c.mode_text = "cross-memory attach";
+    }
   }
   c.state = Connection::State::kOpen;
   return establish(c.shared_from_this());

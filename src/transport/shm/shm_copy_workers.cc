@@ -19,6 +19,7 @@
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
 #include "transport/common/unix_socket.h"
+#include "transport/shm/shm_gpu_copy.h"
 #include "transport/shm/shm_internal.h"
 #include "transport/shm/shm_transport.h"
 
@@ -61,7 +62,8 @@ void ShmTransport::worker_loop(int index) {
     if (task.drain) {
       drain_backlog(task.conn);
     } else if (task.answered.transfer) {
-      copy_out(*task.answered.transfer, *task.conn, task.answered.copy_out);
+      copy_out(*task.answered.transfer, *task.conn, task.answered.copy_out,
+               task.answered.copy_out_devices);
       finish_answer(*task.conn, task.answered);
     } else if (!task.response.empty()) {
       if (Status st = send_frame(*task.conn, task.response); !st.ok()) {
@@ -76,7 +78,8 @@ void ShmTransport::worker_loop(int index) {
 }
 
 Status ShmTransport::validate(const Connection& c, const Request& request,
-                              std::vector<RegionPin>* pins, std::vector<CopyPiece>* pieces) const {
+                              std::vector<RegionPin>* pins, std::vector<CopyPiece>* pieces,
+                              std::vector<int>* devices) const {
   const uint8_t wanted = request.op == Op::kWriteReq ? kAccessWrite : kAccessRead;
   pieces->reserve(request.segments.size());
   for (size_t i = 0; i < request.segments.size(); ++i) {
@@ -98,19 +101,26 @@ Status ShmTransport::validate(const Connection& c, const Request& request,
                                 describe(c), i, local.status().message()));
     }
     const Region* region = pin.get();
-    if (region->info.kind != MemoryKind::kHost) {
-      return err::NotSupported(
-          fmt::format("shm: region {} is {} memory; the shm transport carries host memory only",
-                      seg.remote.region_id, memory_kind_name(region->info.kind)));
+    // GPU memory only through the staging areas: the target copies between
+    // the peer's area and its GPU region with the copy engine.
+    const bool gpu_region = region->info.kind == MemoryKind::kCuda;
+    if (region->info.kind != MemoryKind::kHost && !(gpu_region && request.staged)) {
+      return err::NotSupported(fmt::format(
+          "shm: region {} is {} memory; shm carries it only through staging areas (this {} {} "
+          "is not staged)",
+          seg.remote.region_id, memory_kind_name(region->info.kind), op_name(request.op),
+          request.id));
     }
+    const int device = gpu_region ? region->info.device : -1;
     // Blocks adjacent on both sides (pages of one KV run, say) become one
     // iovec: the kernel pins and copies a run in one pass instead of per block.
     CopyPiece* last = pieces->empty() ? nullptr : &pieces->back();
     if (last && last->local + last->length == *local &&
-        last->remote + last->length == seg.address) {
+        last->remote + last->length == seg.address && devices->back() == device) {
       last->length += seg.remote.length;
     } else {
       pieces->push_back({*local, seg.address, seg.remote.length});
+      devices->push_back(device);
     }
     // One pin per run of segments in the same region is enough.
     if (pins->empty() || pins->back().get() != region) pins->push_back(std::move(pin));
@@ -190,7 +200,8 @@ std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
   }
   std::vector<RegionPin> pins;
   std::vector<CopyPiece> pieces;
-  Status verdict = validate(c, request, &pins, &pieces);
+  std::vector<int> devices;  // per piece: its region's GPU, -1 host memory
+  Status verdict = validate(c, request, &pins, &pieces, &devices);
   if (verdict.ok()) {
     // Deregistration started after the check: it waits for our pins, but the
     // owner wants the region left alone, so nothing is copied.
@@ -209,16 +220,15 @@ std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
     copying.emplace(copies_in_flight_, peak_parallel_copies_);
   }
   if (verdict.ok() && !pieces.empty() && request.staged) {
-    // Between the region and the peer's area, both mapped here: nothing can
-    // fail half-way (the area is sealed against shrinking, every range was
-    // checked against its size).
-    uint8_t* area = c.theirs.data();
-    for (const CopyPiece& p : pieces) {
-      if (request.op == Op::kWriteReq) {
-        std::memcpy(p.local, area + p.remote, p.length);
-      } else {
-        std::memcpy(area + p.remote, p.local, p.length);
-      }
+    // Between the region and the peer's area, both mapped here: host memory
+    // cannot fail half-way (the area is sealed against shrinking, every range
+    // was checked against its size). A GPU region's copies run on the copy
+    // engine and are waited for before the answer.
+    if (Status s = copy_through_area(c, /*own=*/false, pieces, devices,
+                                     /*to_area=*/request.op == Op::kReadReq);
+        !s.ok()) {
+      verdict = Status(s.code(),
+                       fmt::format("shm: {} {}: {}", op_name(request.op), request.id, s.message()));
     }
   } else if (verdict.ok() && !pieces.empty()) {
     if (process_exited(c.pidfd)) return std::nullopt;  // its EOF follows; the pid may be reused

@@ -20,6 +20,7 @@
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
 #include "transport/common/unix_socket.h"
+#include "transport/shm/shm_gpu_copy.h"
 #include "transport/shm/shm_internal.h"
 #include "transport/shm/shm_transport.h"
 
@@ -95,7 +96,7 @@ Status ShmTransport::on_response(Connection& c, ByteView body) {
       submit(std::move(task));
       return Status::Ok();
     }
-    copy_out(*t, c, p.copy_out);
+    copy_out(*t, c, p.copy_out, p.copy_out_devices);
   }
   finish_answer(c, p);
   return Status::Ok();
@@ -107,13 +108,16 @@ void ShmTransport::finish_answer(Connection& c, const Pending& p) {
   if (p.transfer->outstanding.fetch_sub(1) == 1) finish(c.shared_from_this(), p.transfer);
 }
 
-void ShmTransport::copy_out(Transfer& t, const Connection& c, std::span<const CopyPiece> pieces) {
+void ShmTransport::copy_out(Transfer& t, Connection& c, std::span<const CopyPiece> pieces,
+                            std::span<const int> devices) {
   // Under io_mu: cancel() (which sets `cancelled` under it first) returns
   // only after a copy that started, and none starts after it.
   std::lock_guard io(t.io_mu);
   if (t.cancelled) return;
-  for (const CopyPiece& piece : pieces) {
-    std::memcpy(piece.local, c.own.data() + piece.remote, piece.length);
+  // GPU destinations: host → device copies, waited for here, so the
+  // transfer completes only once its bytes are in GPU memory.
+  if (Status s = copy_through_area(c, /*own=*/true, pieces, devices, /*to_area=*/false); !s.ok()) {
+    t.note_error(s);
   }
 }
 
@@ -194,16 +198,19 @@ Status ShmTransport::send_staged(const std::shared_ptr<Connection>& c, StagedReq
   Pending entry;
   entry.range = at;
   std::span<const CopyPiece> copy_in;
+  std::span<const int> copy_in_devices;
   if (request.op == Op::kReadReq) {
     entry.copy_out = std::move(request.copies);
+    entry.copy_out_devices = std::move(request.devices);
   } else {
     copy_in = request.copies;
+    copy_in_devices = request.devices;
   }
   const uint64_t id = next_request_id_.fetch_add(1);
   return send_request(c, request.transfer, id,
                       encode_request(request.op, id, request.segments, request.embed_notification,
                                      request.notification, /*staged=*/true),
-                      std::move(entry), copy_in);
+                      std::move(entry), copy_in, copy_in_devices);
 }
 
 void ShmTransport::drain_backlog(const std::shared_ptr<Connection>& c) {
@@ -266,24 +273,33 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
                           const std::vector<Segment>& segments, Op op) {
   const char* what = op == Op::kWriteReq ? "write" : "read";
   if (segments.empty()) return err::InvalidArgument(fmt::format("shm: {} with no segments", what));
-  for (size_t i = 0; i < segments.size(); ++i) {
-    const Segment& s = segments[i];
-    if (s.local_device >= 0 || s.remote_device >= 0) {
-      return err::NotSupported(fmt::format(
-          "shm carries host memory only: {} segment {} to peer {} names GPU memory (local "
-          "device {}, remote device {})",
-          what, i, hex_id(peer), s.local_device, s.remote_device));
-    }
-  }
   auto conn = live_connection(peer);
   if (!conn.ok()) return conn.status();
+  // GPU memory on either side goes through the staging areas (the whole
+  // call: its host pieces are copied through them too); host memory alone
+  // moves as the connection's mode says.
+  bool gpu = false;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
+    if (s.local_device < 0 && s.remote_device < 0) continue;
+    if (!cuda_here_ || !(*conn)->stages_gpu()) {
+      return err::NotSupported(fmt::format(
+          "shm: {} segment {} to peer {} names GPU memory (local device {}, remote device {}), "
+          "but {}",
+          what, i, hex_id(peer), s.local_device, s.remote_device,
+          cuda_here_ ? "this connection stages none: " + peer_limits(peer)
+                     : std::string("this engine stages no GPU memory (no CUDA device here, or "
+                                   "engine.gpu_same_host_path=cuda_ipc|tcp)")));
+    }
+    gpu = true;
+  }
   const bool notify = op == Op::kWriteReq && t->has_notification;
   if (notify && t->notification.size() > kMaxNotificationBytes) {
     return err::InvalidArgument(fmt::format("notification of {} bytes exceeds the limit of {}",
                                             t->notification.size(), kMaxNotificationBytes));
   }
   const uint32_t max_segments = opt_.max_request_segments;
-  const bool staged = (*conn)->staged;
+  const bool staged = (*conn)->staged || gpu;
   uint64_t max_bytes = opt_.max_request_bytes;
   if (staged) {
     // At least four requests in flight fit the area: the copy into it, the
@@ -309,6 +325,7 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
   // into (write) or out of (read) our area.
   uint64_t staged_bytes = 0;
   std::vector<CopyPiece> copies;
+  std::vector<int> devices;  // GPU calls: per copy, its local memory's GPU (-1 host)
   uint64_t direct_budget = staged ? (*conn)->own.size() : 0;  // bytes this thread may copy
   Status result;
   bool stop = false;
@@ -324,6 +341,7 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
         if (staged) {
           w.address = staged_bytes;  // made absolute once the range is reserved
           copies.push_back({s.local + offset, staged_bytes, length});
+          if (gpu) devices.push_back(s.local_device);
           staged_bytes += length;
         } else {
           w.address = reinterpret_cast<uint64_t>(s.local) + offset;
@@ -339,6 +357,7 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
           request.op = op;
           request.segments = std::move(current);
           request.copies = std::move(copies);
+          request.devices = std::move(devices);
           request.bytes = staged_bytes;
           request.embed_notification = embed;
           request.notification = note;
@@ -349,6 +368,7 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
         }
         current.clear();
         copies.clear();
+        devices.clear();
         staged_bytes = 0;
         if (!s.ok()) {
           stop = true;
@@ -369,7 +389,7 @@ Status ShmTransport::post_notification(PeerId peer, const std::shared_ptr<Transf
   auto conn = live_connection(peer);
   if (!conn.ok()) return conn.status();
   transfer->outstanding.store(1);
-  if ((*conn)->staged && hold_notification(*conn, transfer, payload)) return Status::Ok();
+  if ((*conn)->stages_gpu() && hold_notification(*conn, transfer, payload)) return Status::Ok();
   const uint64_t id = next_request_id_.fetch_add(1);
   Status s =
       send_request(*conn, transfer, id, encode_request(Op::kNotifyReq, id, {}, true, payload));
@@ -408,9 +428,11 @@ bool ShmTransport::hold_notification(const std::shared_ptr<Connection>& c,
 Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
                                   const std::shared_ptr<Transfer>& t, uint64_t id,
                                   const Bytes& frame, Pending entry,
-                                  std::span<const CopyPiece> copy_in) {
+                                  std::span<const CopyPiece> copy_in,
+                                  std::span<const int> copy_in_devices) {
   const uint64_t range = entry.range;
   Status refused;
+  bool copy_failed = false;
   {
     // Under io_mu: cancel() either sees this request in in_flight and waits
     // for its answer, or we see `cancelled` and send nothing.
@@ -419,12 +441,14 @@ Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
       refused = err::Cancelled("");
     } else {
       // A staged write's bytes go into our area before the peer can see
-      // the request; cancel() waits for this copy out of local memory.
-      for (const CopyPiece& p : copy_in) {
-        std::memcpy(c->own.data() + p.remote, p.local, p.length);
-      }
+      // the request; cancel() waits for this copy out of local memory (GPU
+      // memory: device → host copies, waited for here).
+      refused = copy_through_area(*c, /*own=*/true, copy_in, copy_in_devices, /*to_area=*/true);
+      copy_failed = !refused.ok();
       std::lock_guard lock(c->mu);
-      if (c->dead.load()) {
+      if (copy_failed) {
+        // nothing sent
+      } else if (c->dead.load()) {
         refused =
             err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(*c)));
       } else {
@@ -436,6 +460,9 @@ Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
   }
   if (!refused.ok()) {
     if (range != kNoRange) release_range(*c, range);
+    // Requests of the transfer already sent are still answered: the
+    // transfer fails now, and their answers find it failed.
+    if (copy_failed) fail_transfer(*t, refused);
     return refused;
   }
   Status s = send_frame(*c, frame);

@@ -196,7 +196,9 @@ Status ShmTransport::on_frame(Connection& c, const FrameHeader& h, ByteView body
   if (is_request(h.op)) {
     auto request = decode_request(h, body);
     if (!request.ok()) return request.status();
-    if (request->op != Op::kNotifyReq && request->staged != c.staged) {
+    // Staged requests need the areas (staging mode, or GPU areas beside
+    // cross-memory attach); unstaged ones cross-memory attach.
+    if (request->op != Op::kNotifyReq && (request->staged ? !c.stages_gpu() : c.staged)) {
       return err::ProtocolError(fmt::format(
           "{} {} {} staging area offsets on a connection in {} mode", op_name(request->op),
           request->id, request->staged ? "names" : "does not name",

@@ -16,8 +16,11 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "core/gpu_path.h"
 #include "core/random_bytes.h"
 #include "core/thread_name.h"
+#include "cuda/host_device_copy.h"
+#include "ferry/gpu.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
 #include "transport/common/unix_socket.h"
@@ -86,6 +89,9 @@ uint32_t usable_cpus() {
 }  // namespace
 
 Connection::~Connection() {
+  // Unpinned before the areas unmap (members are destroyed after this body).
+  if (own_pinned == 1) cuda_unpin_host_range(own.data());
+  if (theirs_pinned == 1) cuda_unpin_host_range(theirs.data());
   if (fd >= 0) ::close(fd);
   if (pidfd >= 0) ::close(pidfd);
   for (int received : rx_fds) ::close(received);
@@ -102,7 +108,32 @@ TransportCaps ShmTransport::capabilities() const {
   caps.host_memory = true;
   caps.cuda_memory = false;
   caps.same_host_only = true;
+  caps.varies_by_peer = true;  // GPU memory where the connection stages it
   return caps;
+}
+
+TransportCaps ShmTransport::capabilities_for(PeerId peer) const {
+  TransportCaps caps = capabilities();
+  std::lock_guard lock(mu_);
+  auto it = primary_.find(peer);
+  if (cuda_here_ && it != primary_.end() && !it->second->dead.load() && it->second->stages_gpu()) {
+    caps.cuda_memory = true;  // every route: the target copies GPU memory to or from the area
+  }
+  return caps;
+}
+
+std::string ShmTransport::peer_limits(PeerId peer) const {
+  std::lock_guard lock(mu_);
+  auto it = primary_.find(peer);
+  // Without CUDA here there is no GPU memory of ours to stage, and the
+  // transport says only what it always said ("carries no GPU memory").
+  if (!cuda_here_ || it == primary_.end() || it->second->dead.load() || it->second->stages_gpu()) {
+    return {};
+  }
+  if (!opt_.gpu_areas) return "GPU memory not staged (engine.gpu_same_host_path)";
+  if (opt_.mode == Mode::kCma) return "GPU memory not staged (shm.mode=cma keeps no staging areas)";
+  return "GPU memory not staged (the peer keeps no staging areas for it: an older engine, "
+         "shm.mode=cma or engine.gpu_same_host_path there)";
 }
 
 // Up to 4 CPUs all of them (the copies of a large transfer share the cores
@@ -144,12 +175,20 @@ Status ShmTransport::read_options() {
         fmt::format("option shm.mode: '{}' is none of auto, cma, staging", mode));
   }
   opt_.staging_bytes = o.get_uint("shm.staging_bytes");
+  // The engine validated it; empty where only shm's options exist (tests).
+  const std::string& gpu_path = o.get_string(kGpuSameHostPathOption);
+  if (!gpu_path.empty()) {
+    auto path = parse_gpu_same_host_path(gpu_path);
+    if (!path.ok()) return path.status();
+    opt_.gpu_areas = shm_stages_gpu(*path);
+  }
   return Status::Ok();
 }
 
 Status ShmTransport::start(const TransportContext& context) {
   ctx_ = context;
   if (Status s = read_options(); !s.ok()) return s;
+  cuda_here_ = opt_.gpu_areas && cuda_available(nullptr);
   // Thread names tell engines of one process apart, as tcp's do.
   static std::atomic<int> engines_started{0};
   thread_prefix_ = fmt::format("ferry{}", engines_started.fetch_add(1));

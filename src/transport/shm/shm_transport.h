@@ -74,6 +74,9 @@ struct ShmOptions {
   std::chrono::milliseconds send_timeout{10000};
   Mode mode = Mode::kAuto;
   uint64_t staging_bytes = 32 << 20;
+  // engine.gpu_same_host_path lets shm stage GPU memory (auto, shm_staged):
+  // cross-memory-attach connections then keep both staging areas too.
+  bool gpu_areas = true;
 };
 
 // Copy workers woken for any task; the rest of shm.copy_threads only for a
@@ -93,6 +96,7 @@ struct Pending {
   // destination, remote: the offset in our area).
   uint64_t range = kNoRange;
   std::vector<CopyPiece> copy_out;
+  std::vector<int> copy_out_devices;  // per piece: its GPU, -1 host memory (empty: all host)
 };
 
 // A staged request not sent yet: it waits for a range of our area (or, a
@@ -103,6 +107,7 @@ struct StagedRequest {
   Op op = Op::kWriteReq;
   std::vector<WireSegment> segments;
   std::vector<CopyPiece> copies;  // local: the caller's memory; remote: offset in the range
+  std::vector<int> devices;  // per copy: the GPU of its local memory, -1 host (empty: all host)
   uint64_t bytes = 0;
   bool embed_notification = false;
   Bytes notification;
@@ -128,6 +133,17 @@ struct Connection : std::enable_shared_from_this<Connection> {
   std::string mode_text;  // for logs and peer_address()
   StagingArea own;        // staging: the bytes of our requests; we hand out its ranges
   StagingArea theirs;     // staging: the bytes of the peer's requests (offsets checked)
+  // Cross-memory attach mode with both areas kept (kFeatureGpuAreas): host
+  // memory still goes by cross-memory attach, GPU memory through the areas.
+  bool gpu_areas = false;
+  // GPU memory can go through the areas (staging mode, or gpu_areas).
+  bool stages_gpu() const { return staged || gpu_areas; }
+  // The areas pinned with the CUDA runtime on their first GPU copy, so the
+  // copy engine reaches them directly: 0 not tried, 1 pinned, -1 refused
+  // (copies still work, from pageable memory). Under pin_mu.
+  std::mutex pin_mu;
+  int own_pinned = 0;
+  int theirs_pinned = 0;
   // Under staging_mu: the ranges of `own` in use, the requests waiting for
   // one (in order), and whether a copy worker is draining them. Invariant:
   // while the backlog is not empty a range is in use (its release drains)
@@ -189,6 +205,10 @@ class ShmTransport final : public Transport {
 
   std::string_view name() const override { return "shm"; }
   TransportCaps capabilities() const override;
+  // GPU memory too (every route) to a peer whose connection stages it:
+  // staging mode, or cross-memory attach with GPU areas (kFeatureGpuAreas).
+  TransportCaps capabilities_for(PeerId peer) const override;
+  std::string peer_limits(PeerId peer) const override;
   Status start(const TransportContext& context) override;
   void shutdown(const Status& reason) override;
   Bytes local_address() const override;
@@ -251,7 +271,7 @@ class ShmTransport final : public Transport {
   // (staged: their remote side is an offset in the peer's area, checked
   // against its size here).
   Status validate(const Connection& c, const Request& request, std::vector<RegionPin>* pins,
-                  std::vector<CopyPiece>* pieces) const;
+                  std::vector<CopyPiece>* pieces, std::vector<int>* devices) const;
   void send_write_notification(const std::shared_ptr<Connection>& c,
                                const std::shared_ptr<Transfer>& t);
 
@@ -265,7 +285,8 @@ class ShmTransport final : public Transport {
   // and `copy_in` the write's bytes to place there first.
   Status send_request(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t,
                       uint64_t id, const Bytes& frame, Pending entry = {},
-                      std::span<const CopyPiece> copy_in = {});
+                      std::span<const CopyPiece> copy_in = {},
+                      std::span<const int> copy_in_devices = {});
   // Staging: sends `request` now if a range of our area is free, none waits
   // before it, no cancel fence is up and `*budget` (the bytes the posting
   // thread may still copy, one area's worth per post) allows; else queues it
@@ -288,7 +309,8 @@ class ShmTransport final : public Transport {
   void release_range(Connection& c, uint64_t offset);
   // A staged read's bytes, from our area to their destinations, unless the
   // transfer was cancelled or failed.
-  void copy_out(Transfer& t, const Connection& c, std::span<const CopyPiece> pieces);
+  void copy_out(Transfer& t, Connection& c, std::span<const CopyPiece> pieces,
+                std::span<const int> devices);
   // After an answer (and a staged read's copy out): the range back, the
   // transfer's count down, and its completion after the last.
   void finish_answer(Connection& c, const Pending& p);
@@ -307,6 +329,9 @@ class ShmTransport final : public Transport {
 
   TransportContext ctx_;
   ShmOptions opt_;
+  // This process can copy GPU memory (a CUDA device answers): only then does
+  // shm carry GPU memory, and keep the areas for it beside cross-memory attach.
+  bool cuda_here_ = false;
   std::string thread_prefix_ = "ferry";
   std::string socket_path_;
   int listen_fd_ = -1;

@@ -339,7 +339,7 @@ Bytes encode_hello_ack(const HelloAck& ack) {
   w.u64(ack.engine_id);
   w.u64(ack.probe_address);
   w.u32(ack.probe_length);
-  w.u32(0);
+  w.u32(ack.status.ok() ? ack.features : 0);
   w.u64(ack.probe_value);
   w.u64(ack.status.ok() ? ack.staging_bytes : 0);
   const std::string_view m = wire_codec::clipped(kCodec, message);
@@ -357,7 +357,8 @@ Result<HelloAck> decode_hello_ack(ByteView body) {
   a.engine_id = r.u64();
   a.probe_address = r.u64();
   a.probe_length = r.u32();
-  (void)r.u32();
+  // Unknown bits are ignored, as older engines ignored the whole field.
+  a.features = r.u32() & kFeatureGpuAreas;
   a.probe_value = r.u64();
   a.staging_bytes = r.u64();
   if (!r.ok())
@@ -413,7 +414,9 @@ Result<HelloDone> decode_hello_done(ByteView body) {
   if (d.status.ok() && d.mode == Mode::kAuto) {
     return err::ProtocolError("HELLO_DONE accepts the connection but names no mode");
   }
-  if (d.status.ok() && (d.mode == Mode::kStaging) != (d.staging_bytes > 0)) {
+  // Staging needs the area; cross-memory attach may bring one for GPU memory
+  // (kFeatureGpuAreas), which the acceptor checks against what it offered.
+  if (d.status.ok() && d.mode == Mode::kStaging && d.staging_bytes == 0) {
     return err::ProtocolError(
         fmt::format("HELLO_DONE chooses {} mode with a staging area of {} bytes", mode_name(d.mode),
                     d.staging_bytes));

@@ -13,12 +13,16 @@
 //   HELLO       u64 engine id | u64 expected engine id (0: any) | u64 probe address |
 //               u32 probe length (8) | u8 mode | u8[3] reserved | u64 probe value (40 bytes)
 //   HELLO_ACK   u16 status | u8 mode | u8 flags | u32 message length | u64 engine id |
-//               u64 probe address | u32 probe length | u32 reserved | u64 probe value |
+//               u64 probe address | u32 probe length | u32 features | u64 probe value |
 //               u64 staging bytes | message                                 (48 bytes + message)
+//     features  kFeatureGpuAreas: the acceptor keeps both staging areas in cross-memory
+//               attach mode too, to stage GPU memory (the connecting engine then sends its
+//               area on a cma HELLO_DONE); other bits 0. Older engines wrote 0 here and
+//               ignore the field, so neither side sends what the other cannot read.
 //   HELLO_DONE  u16 status | u8 chosen mode | u8 flags | u32 message length |
 //               u64 staging bytes | message                                 (16 bytes + message)
 //     mode      0 auto, 1 cma, 2 staging: the sender's shm.mode (HELLO, HELLO_ACK) or the
-//               connection's (HELLO_DONE: 1 or 2)
+//               connection's (HELLO_DONE: 1 or 2; 1 with an area only after kFeatureGpuAreas)
 //     flags     kHandshakeCmaRefused: status is Ok but the sender's probe of the peer failed;
 //               the message says why (the connection then runs in staging mode)
 //               kHandshakeArea: the sender's staging memfd rides on this frame (SCM_RIGHTS)
@@ -102,6 +106,9 @@ const char* mode_name(Mode mode);
 constexpr uint8_t kHandshakeCmaRefused = 1;
 constexpr uint8_t kHandshakeArea = 2;
 
+// HELLO_ACK features.
+constexpr uint32_t kFeatureGpuAreas = 1;
+
 struct FrameHeader {
   uint16_t version = kWireVersion;
   Op op = Op::kResponse;
@@ -172,6 +179,7 @@ struct HelloAck {
   // Status Ok but the acceptor's probe of the connecting engine failed: why.
   std::string cma_refusal;
   uint64_t staging_bytes = 0;  // > 0: the acceptor's staging area rides along
+  uint32_t features = 0;       // kFeatureGpuAreas
 };
 
 struct HelloDone {
