@@ -177,7 +177,11 @@ def main():
     args = ap.parse_args()
     if args.quick:
         args.secs, args.reps = 1.0, 1
-    import torch
+    try:
+        import torch
+    except ImportError as e:
+        print(f"NOT RUN: {e} (this benchmark needs PyTorch with CUDA and a GPU)")
+        return 0
     if not torch.cuda.is_available():
         print("NOT RUN: no CUDA device (this benchmark needs a GPU)")
         return 0
