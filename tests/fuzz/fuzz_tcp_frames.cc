@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "ferry/engine.h"
-#include "transport/tcp/wire.h"
+#include "transport/tcp/tcp_wire.h"
 
 namespace {
 

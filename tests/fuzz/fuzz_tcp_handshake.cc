@@ -26,7 +26,7 @@
 
 #include "core/metadata.h"
 #include "ferry/engine.h"
-#include "transport/tcp/wire.h"
+#include "transport/tcp/tcp_wire.h"
 
 namespace {
 

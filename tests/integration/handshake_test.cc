@@ -1,4 +1,4 @@
-// The tcp handshake's metadata exchange (revision 2, src/transport/tcp/wire.h)
+// The tcp handshake's metadata exchange (revision 2, src/transport/tcp/tcp_wire.h)
 // spoken with a plain socket: against a ferry_test_peer, the metadata a
 // connecting side sends is checked exactly as connect(metadata) checks it --
 // garbage, another protocol version, another engine's metadata and an
@@ -16,7 +16,7 @@
 
 #include "core/metadata.h"
 #include "fixture.h"
-#include "transport/tcp/wire.h"
+#include "transport/tcp/tcp_wire.h"
 
 namespace ferry::itest {
 namespace {

@@ -1,5 +1,5 @@
 // A plain TCP client for tests that speak Ferry's tcp wire format
-// (src/transport/tcp/wire.h) by hand: malformed frames, garbage, handshakes
+// (src/transport/tcp/tcp_wire.h) by hand: malformed frames, garbage, handshakes
 // left unfinished.
 #pragma once
 
@@ -17,7 +17,7 @@
 #include <string>
 
 #include "ferry/types.h"
-#include "transport/tcp/wire.h"
+#include "transport/tcp/tcp_wire.h"
 
 namespace ferry::itest {
 

@@ -1,6 +1,6 @@
 // Malformed input on the wire (issue 2 item 5, DESIGN.md §3), spoken with a
 // plain TCP socket to a ferry_test_peer's listen port using the layout in
-// src/transport/tcp/wire.h. After every case the target process is alive,
+// src/transport/tcp/tcp_wire.h. After every case the target process is alive,
 // serves a legitimate engine (over its existing connection and a new one),
 // and its memory is unchanged (checksum of all of it).
 //
@@ -8,8 +8,6 @@
 // carry a genuine key (which the public API cannot produce, because the
 // initiator checks the range first), and the connecting side facing a fake
 // server (wrong version, silence, garbage).
-#include "transport/tcp/wire.h"
-
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -22,6 +20,7 @@
 #include "core/metadata.h"
 #include "fixture.h"
 #include "raw_conn.h"
+#include "transport/tcp/tcp_wire.h"
 
 namespace ferry::itest {
 namespace {

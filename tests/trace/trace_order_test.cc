@@ -18,7 +18,7 @@
 #include "core/stage_trace.h"
 #include "fixture.h"
 #include "trace_expect.h"
-#include "transport/tcp/wire.h"
+#include "transport/tcp/tcp_wire.h"
 
 namespace ferry::itest {
 namespace {

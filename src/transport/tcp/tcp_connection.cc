@@ -1,6 +1,6 @@
 // tcp transport: connection set-up -- each stream's handshake, on the
 // connecting side (connect, open_group) and on the accepting side (on_accept,
-// rx_hello, rx_hello_metadata). The messages are in wire.h, the prose in
+// rx_hello, rx_hello_metadata). The messages are in tcp_wire.h, the prose in
 // docs/protocol.md ("Handshake").
 #include <sys/socket.h>
 #include <unistd.h>

@@ -30,7 +30,7 @@ inline FrameHeader make_header(Op op, TransferId id) {
 
 // --- stage trace (core/stage_trace.h, docs/trace.md) ---
 
-// A response's trace trailer (wire.h TraceTrailerHead + the stamps).
+// A response's trace trailer (tcp_wire.h TraceTrailerHead + the stamps).
 inline void append_trailer(std::vector<uint8_t>& aux, const TargetStamps& stamps) {
   const TraceTrailerHead head{kTraceTrailerStages, 0};
   const auto* h = reinterpret_cast<const uint8_t*>(&head);

@@ -32,7 +32,7 @@
 #include "transport/common/gpu_staging.h"
 #include "transport/tcp/iov_cursor.h"
 #include "transport/tcp/socket_util.h"
-#include "transport/tcp/wire.h"
+#include "transport/tcp/tcp_wire.h"
 #include "transport/transport.h"
 
 namespace ferry::tcp {
@@ -63,7 +63,7 @@ struct TcpOptions {
   uint64_t trace_keep = 4096;
 };
 
-// The target's stage times for one request frame, in trailer order (wire.h
+// The target's stage times for one request frame, in trailer order (tcp_wire.h
 // TraceTrailerHead): indices are TraceStage - kFrameReceived.
 using TargetStamps = std::array<int64_t, kTraceTrailerStages>;
 constexpr size_t target_stamp(TraceStage stage) {

@@ -1,4 +1,4 @@
-#include "transport/tcp/wire.h"
+#include "transport/tcp/tcp_wire.h"
 
 #include <cstring>
 
