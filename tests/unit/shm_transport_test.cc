@@ -375,12 +375,21 @@ TEST_P(ShmTransportTest, CrossProcessWriteReadAndKill) {
     }
     char go = 0;
     if (read(to_child[0], &go, 1) != 1) _exit(4);
+    // The parent's "go" follows its write's completion, but that order runs
+    // through another process; stopping the copy workers (joined) orders
+    // their writes into dst before the check within this one, as
+    // ThreadSanitizer needs to see it.
+    b.transport.shutdown(err::Cancelled("checked by the child"));
     Buffer expected(n, 1);
     const bool same = dst.bytes == expected.bytes;
     if (write(to_parent[1], &same, 1) != 1) _exit(5);
     pause();  // killed by the parent
     _exit(0);
   }
+  // The child's ends, closed here so that a child that dies reads as EOF
+  // rather than a parent blocked for ever.
+  close(to_parent[1]);
+  close(to_child[0]);
   uint32_t len = 0;
   ASSERT_EQ(read(to_parent[0], &len, 4), 4);
   Bytes address(len);
@@ -419,7 +428,7 @@ TEST_P(ShmTransportTest, CrossProcessWriteReadAndKill) {
   auto late = std::make_shared<Transfer>(3, TransferOp::kWrite, d->engine_id);
   EXPECT_EQ(a.transport.post_write(d->engine_id, late, {seg(src.bytes.data(), 8, *d, 0)}).code(),
             StatusCode::kPeerDisconnected);
-  for (int fd : {to_parent[0], to_parent[1], to_child[0], to_child[1]}) close(fd);
+  for (int fd : {to_parent[0], to_child[1]}) close(fd);
 }
 
 // ------------------------------------------------------------ staging mode ---
