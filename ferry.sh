@@ -171,6 +171,7 @@ run_tests() {
   else
     log "sanitizer build failed"; status=1
   fi
+  run_tsan_tests || status=$?
   log "fuzzing (bounded: ${FERRY_FUZZ_SECONDS:-20} s for tcp frames, half for the handshake, a quarter per decoder target)"
   FERRY_FUZZ_SECONDS=${FERRY_FUZZ_SECONDS:-20} FERRY_FUZZ_BUILD_DIR="$BUILD-fuzz" \
     "$ROOT/tests/fuzz/run.sh" || status=$?
@@ -180,6 +181,62 @@ run_tests() {
     "$PY_VENV/bin/python" -m pytest -q "$ROOT/tests/python" || status=$?
     test_wheel || status=$?
   fi
+  return $status
+}
+
+# --- ThreadSanitizer stage ---------------------------------------------------
+# A tree of its own built with -DFERRY_TSAN=ON (no CUDA, no tools, only the
+# test programs below), bounded to about 10 minutes with its build on the
+# 2-core CI machine (measured in docs/reliability.md, "Thread sanitizer").
+# It runs every unit test and a chosen few integration tests where the
+# engine's threads meet, each over the transports named:
+#   TransferTest.CancelledWriteNeverOverwritesALaterWrite/tcp: cancel against
+#     tcp's 4 I/O threads and its streams, the cancel fence;
+#   TransferTest.TcpRequestHeldByTheCancelFenceFailsWhenThePeerDies: the fence
+#     against a peer that dies;
+#   TransferTest.CancelLargeWrite (shm by cross-memory attach) and
+#     /shm-staging: cancel against shm's copy workers, both modes;
+#   TransferTest.ConcurrentThreadsToTwoPeers, and /tcp: application threads
+#     posting to two peers while the progress threads answer;
+#   PeerFailure.EngineDestroyedWithTransfersInFlight, and /tcp: engines
+#     destroyed with transfers in flight.
+# The rest of the integration suite, and CancelStress (its spinning processes
+# and 256 MiB writes take TSan past the test's deadlines), run under TSan by
+# hand: cmake -DFERRY_TSAN=ON, then ctest with TSAN_OPTIONS as below.
+# Any report fails the stage: halt_on_error stops the process, and every
+# process (the test peers too) writes its reports under $BUILD-tsan/reports/,
+# which must stay empty. tests/tsan.supp says what is suppressed and why.
+TSAN_PROGRAMS=(base64_test codec_test crc32_test engine_config_test options_test
+  random_bytes_test region_registry_test shm_staging_test shm_transport_test shm_wire_test
+  siphash_test stage_trace_test staging_pool_test transfer_status_test transfer_table_test
+  transport_route_test ferry_test_peer transfer_test peer_failure_test)
+TSAN_INTEGRATION='^(TransferTest[.]CancelledWriteNeverOverwritesALaterWrite/tcp|TransferTest[.]TcpRequestHeldByTheCancelFenceFailsWhenThePeerDies|TransferTest[.]CancelLargeWrite(/shm-staging)?|TransferTest[.]ConcurrentThreadsToTwoPeers(/tcp)?|PeerFailure[.]EngineDestroyedWithTransfersInFlight(/tcp)?)$'
+
+run_tsan_tests() {
+  local dir=$BUILD-tsan t0=$SECONDS status=0
+  log "C++ unit tests and the threaded integration tests under ThreadSanitizer (ferry.sh, run_tsan_tests)"
+  if [ ! -f "$dir/build.ninja" ]; then
+    cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DFERRY_TSAN=ON -DFERRY_WITH_CUDA=OFF -DFERRY_BUILD_TOOLS=OFF >/dev/null
+  fi
+  if ! ninja -C "$dir" -j"$JOBS" "${TSAN_PROGRAMS[@]}" >"$dir/build.log" 2>&1; then
+    grep -E "error|FAILED" -A3 "$dir/build.log" | head -30
+    log "ThreadSanitizer build failed"; return 1
+  fi
+  log "ThreadSanitizer build: $((SECONDS - t0)) s"
+  local reports=$dir/reports
+  rm -rf "$reports" && mkdir -p "$reports"
+  export TSAN_OPTIONS="suppressions=$ROOT/tests/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1 log_path=$reports/tsan"
+  (cd "$dir" && ctest --output-on-failure -j2 --timeout 600 -L unit) || status=$?
+  (cd "$dir" && ctest --output-on-failure -j2 --timeout 600 -L integration \
+      -R "$TSAN_INTEGRATION") || status=$?
+  unset TSAN_OPTIONS
+  if compgen -G "$reports/tsan*" >/dev/null; then
+    log "ThreadSanitizer reports (every one fails the stage):"
+    cat "$reports"/tsan* >&2
+    status=1
+  fi
+  log "ThreadSanitizer stage: $((SECONDS - t0)) s"
   return $status
 }
 
