@@ -12,7 +12,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=${FERRY_FUZZ_BUILD_DIR:-$ROOT/build-fuzz}
 SECONDS_EACH=${FERRY_FUZZ_SECONDS:-30}
-TARGETS=${FERRY_FUZZ_TARGETS:-codecs tcp_handshake tcp_frames shm_wire cuda_ipc_wire fabric_wire}
+TARGETS=${FERRY_FUZZ_TARGETS:-codecs tcp_handshake tcp_frames tcp_wire shm_wire cuda_ipc_wire fabric_wire}
 if ! command -v clang++ >/dev/null; then
   echo "fuzz: skipped: clang++ not installed"; exit 0
 fi
