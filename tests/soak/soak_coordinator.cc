@@ -124,6 +124,7 @@ class Coordinator {
   void Faults(int64_t now, bool allowed);
   Report Totals() const;
   void Print(bool final);
+  double Since() const { return start_ == 0 ? 0.0 : static_cast<double>(NowNs() - start_) / 1e9; }
   int64_t NextAfter(double mean_s) {
     if (mean_s <= 0) return INT64_MAX;
     std::exponential_distribution<double> d(1.0 / mean_s);
@@ -249,8 +250,8 @@ void Coordinator::Handle(const Line& l) {
     }
   } else if (f[0] == "ERROR") {
     if (error_lines_++ < 200) {
-      std::fprintf(stderr, "[%s %d.%u] %s\n", p.churn ? "churn" : "process", p.index, p.incarnation,
-                   l.text.c_str());
+      std::fprintf(stderr, "[%6.1f s] [%s %d.%u] %s\n", Since(), p.churn ? "churn" : "process",
+                   p.index, p.incarnation, l.text.c_str());
     }
   } else if (f[0] == "DONE") {
     p.done = true;
@@ -319,6 +320,8 @@ void Coordinator::Faults(int64_t now, bool allowed) {
   if (kill) {
     next_kill_ = NextAfter(c_.kill_every);
     ++kills_;
+    std::printf("[%6.1f s] fault: SIGKILL process %d (incarnation %u)\n", Since(), v.index,
+                v.incarnation);
     v.child->Kill(SIGKILL);
     const int64_t at = NowNs();
     Broadcast("FAULT kill " + std::to_string(v.index) + " " + std::to_string(v.incarnation) + " " +
@@ -340,6 +343,8 @@ void Coordinator::Faults(int64_t now, bool allowed) {
     Broadcast("FAULT stop " + std::to_string(v.index) + " " + std::to_string(v.incarnation) + " " +
                   std::to_string(at),
               -1, false);
+    std::printf("[%6.1f s] fault: SIGSTOP process %d (incarnation %u) for %lld ms\n", Since(),
+                v.index, v.incarnation, static_cast<long long>((v.cont_at - at) / 1'000'000));
   }
 }
 

@@ -220,6 +220,7 @@ void Worker::TrafficLoop(int thread) {
     const double which = std::uniform_real_distribution<double>(0, 1)(rng);
     int slot = -1;
     Slot s{};
+    std::string history;
     RemoteDescriptor desc;
     PeerRegion region;
     {
@@ -237,6 +238,7 @@ void Worker::TrafficLoop(int thread) {
         x.busy = true;
         if (!read) ++x.gen;
         s = x;
+        history = x.history;
         desc = p.target;
       } else if (read && which < 0.8) {
         desc = p.fixed;
@@ -305,6 +307,15 @@ void Worker::TrafficLoop(int thread) {
         x.busy = false;
         if (!read) {
           x.known = o.status.ok();
+          // The slot's last writes, for the message of a data error.
+          x.history =
+              (x.history.size() > 400 ? x.history.substr(x.history.size() - 400) : x.history) +
+              " | generation " + std::to_string(s.gen) + " of " + std::to_string(bytes) + " bytes" +
+              (mode == Mode::kCancel    ? " cancelled: "
+               : mode == Mode::kTimeout ? " with a timeout: "
+                                        : ": ") +
+              std::string(status_code_name(o.status.code())) + " after " +
+              std::to_string((o.done - o.posted) / 1000) + " us";
           x.cseed = seed;
           x.bytes = bytes;
           // The acknowledgement may have come before we got here.
@@ -320,7 +331,10 @@ void Worker::TrafficLoop(int thread) {
       if (read && verify) {
         if (auto bad = Mismatch(seed, base, mem.data(), pieces)) {
           DataError(what + ": " + *bad +
-                    (slot >= 0 ? " (the slot's last completed write is not what is there)" : ""));
+                    (slot >= 0 ? " (the slot's last completed write is not what is there; its "
+                                 "last writes, oldest first:" +
+                                     history + ")"
+                               : ""));
         }
       }
       Count(read ? (slot >= 0 ? "reads_slot" : (region.valid ? "reads_region" : "reads_static"))

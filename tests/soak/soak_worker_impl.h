@@ -34,6 +34,7 @@ struct Slot {
   bool await_ok = false;   // ... that completed (no acknowledgement = a lost notification)
   int64_t await_since = 0;
   uint64_t last_acked = 0;
+  std::string history;  // the last writes' outcomes, for error messages
 };
 
 // A readable region a peer registered and announced.
