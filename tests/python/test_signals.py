@@ -10,7 +10,11 @@ import pytest
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
-CHILD_WAIT_NOTIFICATIONS = textwrap.dedent("""
+# A child started from a background job inherits SIGINT ignored, and Python
+# then installs no KeyboardInterrupt handler: each child restores it first.
+RESTORE_CTRL_C = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+CHILD_WAIT_NOTIFICATIONS = RESTORE_CTRL_C + textwrap.dedent("""
     import sys, numpy as np, ferry
     a, b = ferry.Engine(), ferry.Engine()
     print("waiting", flush=True)
@@ -42,7 +46,7 @@ TARGET = textwrap.dedent("""
     sys.stdin.read()
 """)
 
-CHILD_BLOCKED_WRITE = textwrap.dedent("""
+CHILD_BLOCKED_WRITE = RESTORE_CTRL_C + textwrap.dedent("""
     import os, signal, sys, time, subprocess, numpy as np, ferry
     target = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
