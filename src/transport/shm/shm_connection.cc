@@ -298,6 +298,20 @@ constexpr const char* kCmaWithGpuAreas =
 std::string area_name(uint64_t engine, uint64_t peer) {
   return fmt::format("ferry-shm-{:016x}-to-{:016x}", engine, peer);
 }
+
+// The connecting side's two areas: the peer's (its descriptor `fd`, `their_bytes`
+// long) mapped, ours created, and the ring over ours.
+Status take_areas(Connection& c, int fd, uint64_t their_bytes, uint64_t own_bytes,
+                  uint64_t engine) {
+  auto theirs = StagingArea::adopt(fd, their_bytes);
+  if (!theirs.ok()) return theirs.status();
+  auto own = StagingArea::create(own_bytes, area_name(engine, c.peer));
+  if (!own.ok()) return own.status();
+  c.theirs = std::move(theirs.value());
+  c.own = std::move(own.value());
+  c.ring = StagingRing(c.own.size());
+  return Status::Ok();
+}
 }  // namespace
 
 Result<HelloDone> ShmTransport::choose_mode(Connection& c, const HelloAck& ack,
@@ -333,13 +347,10 @@ Result<HelloDone> ShmTransport::choose_mode(Connection& c, const HelloAck& ack,
       // Both areas stay, for GPU memory; host memory goes by cross-memory attach.
       const int fd = fds.front();
       fds.clear();
-      auto theirs = StagingArea::adopt(fd, ack.staging_bytes);
-      if (!theirs.ok()) return theirs.status();
-      auto own = StagingArea::create(opt_.staging_bytes, area_name(ctx_.engine_id, c.peer));
-      if (!own.ok()) return own.status();
-      c.theirs = std::move(theirs.value());
-      c.own = std::move(own.value());
-      c.ring = StagingRing(c.own.size());
+      if (Status s = take_areas(c, fd, ack.staging_bytes, opt_.staging_bytes, ctx_.engine_id);
+          !s.ok()) {
+        return s;
+      }
       c.gpu_areas = true;
       c.mode_text = kCmaWithGpuAreas;
       done.staging_bytes = c.own.size();
@@ -357,13 +368,10 @@ Result<HelloDone> ShmTransport::choose_mode(Connection& c, const HelloAck& ack,
   }
   const int fd = fds.front();
   fds.clear();
-  auto theirs = StagingArea::adopt(fd, ack.staging_bytes);
-  if (!theirs.ok()) return theirs.status();
-  auto own = StagingArea::create(opt_.staging_bytes, area_name(ctx_.engine_id, c.peer));
-  if (!own.ok()) return own.status();
-  c.theirs = std::move(theirs.value());
-  c.own = std::move(own.value());
-  c.ring = StagingRing(c.own.size());
+  if (Status s = take_areas(c, fd, ack.staging_bytes, opt_.staging_bytes, ctx_.engine_id);
+      !s.ok()) {
+    return s;
+  }
   c.staged = true;
   c.mode_text = staging_text(opt_.mode, ack.mode, refusal);
   done.mode = Mode::kStaging;
