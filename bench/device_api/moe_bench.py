@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """MoE dispatch and combine (ferry.symmetric.MoeExchange) against NCCL
 all_to_all_single of the same bytes and, where it runs, torch symmetric
-memory's all_to_all_vdev (NVSHMEM), in one run on two GPUs.
+memory's all_to_all_vdev (NVSHMEM), in one run on --world GPUs (default 2;
+MoE spreads experts over 4-8 GPUs, so run it with --world 4 where 4 exist).
 
 Workload: bf16, hidden 7,168, top-8, 8 experts per GPU, 1 / 128 / 512 / 4,096
 tokens per GPU, random routing (8 distinct experts per token). Bytes per GPU
@@ -16,7 +17,7 @@ Two timings per system and size, the systems taking turns per size:
            (host launch overhead and the two processes' skew included).
 p50 and p99 in microseconds.
 
-    python3 bench/device_api/moe_bench.py [--iters 50] [--json FILE]
+    python3 bench/device_api/moe_bench.py [--iters 50] [--world 2] [--json FILE]
 """
 from __future__ import annotations
 
@@ -156,8 +157,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default="")
+    ap.add_argument("--world", type=int, default=2, help="GPUs (one process each), 2..8")
     args = ap.parse_args()
-    world = 2
+    world = args.world
     if torch.cuda.device_count() < world:
         print(f"SKIP: {world} GPUs needed, {torch.cuda.device_count()} visible")
         return 0
@@ -192,7 +194,7 @@ def main():
                   f" {cell(r, 'symm_mem' + suffix)} {d / n:9.2f} {c / d:9.2f} {d / s:9.2f}")
             lines.append({
                 "bench": "moe", "timing": mode, "gpu": gpu, "tokens": t, "hidden": HIDDEN,
-                "top_k": TOP_K, "experts_per_rank": EXPERTS_PER_RANK,
+                "top_k": TOP_K, "experts_per_rank": EXPERTS_PER_RANK, "world": world,
                 "bytes_per_gpu": r["bytes_per_gpu"], "iters": args.iters,
                 "dispatch_p50_us": d, "combine_p50_us": c, "nccl_a2a_p50_us": n,
                 "symm_mem_a2a_p50_us": s,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the 2-GPU device machine, in one command: build the symmetric-memory test,
+# On a 2- or 4-GPU device machine, in one command: build the symmetric-memory test,
 # the device-API bench and the Python module; run the GPU tests (gpu.Symmetric*),
 # the Python tests (tests/python/test_symmetric.py), ferry-device-api-bench
 # (ping-pong, put bandwidth vs the copy engine) and moe_bench.py (dispatch /
@@ -27,6 +27,12 @@ echo "built in $((SECONDS - t0)) s"
 export LD_LIBRARY_PATH=$PWD/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 rc=0
 (cd "$B" && timeout 200 ctest -R "gpu\.Symmetric" --timeout 60 --output-on-failure) 2>&1 | tee "$O/gtest.txt" || rc=1
+# Where 4 GPUs exist, the same tests again with 4 members (MoE spreads experts over 4-8 GPUs).
+NGPU=$(nvidia-smi -L | wc -l)
+if [[ $NGPU -ge 4 ]]; then
+  (cd "$B" && FERRY_TEST_MEMBERS=4 timeout 240 ctest -R "gpu\.Symmetric" --timeout 90 --output-on-failure) 2>&1 |
+    tee "$O/gtest4.txt" | grep -E "tests passed|Failed|\*\*\*" || rc=1
+fi
 echo "gtest done at $((SECONDS - t0)) s"
 if [[ ${RUN_API_BENCH:-1} == 1 ]]; then
   timeout 120 "$B/tests/gpu/ferry-device-api-bench" --json "$O/device_api.jsonl" 2>&1 |
@@ -34,8 +40,10 @@ if [[ ${RUN_API_BENCH:-1} == 1 ]]; then
 fi
 export FERRY_PYTHONPATH=$B/python PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
 if [[ ${RUN_MOE_BENCH:-1} == 1 ]]; then
-  timeout 150 "$PY" bench/device_api/moe_bench.py --iters "${ITERS:-50}" --json "$O/moe.jsonl" 2>&1 |
-    tee "$O/moe_bench.txt" || rc=1
+  for w in ${MOE_WORLDS:-2 $([[ $NGPU -ge 4 ]] && echo 4)}; do
+    timeout 150 "$PY" bench/device_api/moe_bench.py --world "$w" --iters "${ITERS:-50}" \
+      --json "$O/moe.jsonl" 2>&1 | tee -a "$O/moe_bench.txt" || rc=1
+  done
   "$PY" bench/device_api/plot.py "$O/moe.jsonl" -o "$O/device_api.png" > /dev/null 2>&1 || true
 fi
 echo "benches done at $((SECONDS - t0)) s"

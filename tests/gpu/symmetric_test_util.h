@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -121,6 +122,15 @@ inline std::string boot_id() {
   return s;
 }
 
+// Members per test: FERRY_TEST_MEMBERS (2..8), default 2. MoE spreads experts
+// over 4-8 GPUs, so the same tests run with 4 members where 4 GPUs exist.
+inline int members_from_env() {
+  const char* v = std::getenv("FERRY_TEST_MEMBERS");
+  if (v == nullptr || *v == '\0') return 2;
+  const int n = std::atoi(v);
+  return n >= 2 && n <= 8 ? n : 2;
+}
+
 // "" when this member has the GPUs the tests need, else "SKIP: why".
 inline std::string need_gpus(int members) {
   int n = 0;
@@ -153,22 +163,23 @@ inline std::unique_ptr<ferry::SymmetricMemory> make_group(const gputest::Member&
 
 }  // namespace symtest
 
-// Runs `body` in two member processes (one GPU each) and reports each
+// Runs `body` in members_from_env() member processes (one GPU each) and reports each
 // member's failures; skips when a member says why it cannot run.
-#define RUN_MEMBERS(...)                                                           \
-  do {                                                                             \
-    auto body_fn = (__VA_ARGS__);                                                  \
-    const auto reports = gputest::run_members(2, [&](gputest::Member& m) {         \
-      std::string skip = symtest::need_gpus(m.size());                             \
-      if (!skip.empty()) return skip;                                              \
-      cudaSetDevice(m.rank());                                                     \
-      if (symtest::preload() != cudaSuccess) return std::string("preload failed"); \
-      return body_fn(m);                                                           \
-    });                                                                            \
-    for (const auto& r : reports) {                                                \
-      if (r.rfind("SKIP:", 0) == 0) GTEST_SKIP() << r;                             \
-    }                                                                              \
-    for (size_t i = 0; i < reports.size(); ++i) {                                  \
-      EXPECT_EQ(reports[i], "") << "member " << i;                                 \
-    }                                                                              \
+#define RUN_MEMBERS(...)                                                               \
+  do {                                                                                 \
+    auto body_fn = (__VA_ARGS__);                                                      \
+    const auto reports =                                                               \
+        gputest::run_members(symtest::members_from_env(), [&](gputest::Member& m) {    \
+          std::string skip = symtest::need_gpus(m.size());                             \
+          if (!skip.empty()) return skip;                                              \
+          cudaSetDevice(m.rank());                                                     \
+          if (symtest::preload() != cudaSuccess) return std::string("preload failed"); \
+          return body_fn(m);                                                           \
+        });                                                                            \
+    for (const auto& r : reports) {                                                    \
+      if (r.rfind("SKIP:", 0) == 0) GTEST_SKIP() << r;                                 \
+    }                                                                                  \
+    for (size_t i = 0; i < reports.size(); ++i) {                                      \
+      EXPECT_EQ(reports[i], "") << "member " << i;                                     \
+    }                                                                                  \
   } while (0)
