@@ -11,9 +11,11 @@
 #include <optional>
 #include <set>
 
+#include "core/engine_options.h"
 #include "core/host_identity.h"
 #include "core/metadata.h"
 #include "core/options.h"
+#include "core/peer_window.h"
 #include "core/random_bytes.h"
 #include "core/region_registry.h"
 #include "core/transfer.h"
@@ -34,37 +36,8 @@ constexpr size_t kMaxIovsPerCall = 1'000'000;
 // wait() spins (engine.wait_spin_us) only on transfers of at most this many bytes.
 constexpr uint64_t kSpinMaxBytes = 256 << 10;
 
-const OptionSpec kEngineOptionSpecs[] = {
-    {"engine.transports", OptionType::kString, "auto",
-     "transports to run: auto (every one that can work here) or a comma list, e.g. tcp to force "
-     "tcp, shm,tcp; per peer the fastest connected one that carries the memory is used"},
-    {"engine.host_id", OptionType::kString, "",
-     "identity of this host for the same-host decision (empty: the kernel's boot id); engines "
-     "with different ids never use same-host transports between them"},
-    {"engine.log_level", OptionType::kString, "warn",
-     "log level: trace, debug, info, warn, error, off"},
-    {"engine.wait_spin_us", OptionType::kUint, "100",
-     "wait() on a transfer of up to 256 KiB spins this long before sleeping (0: sleep at once)", 0,
-     100000},
-    {kGpuSameHostPathOption, OptionType::kString, "auto",
-     "how GPU memory moves between engines of one host: auto (cuda_ipc where it connects, else "
-     "staged through shm's shared host memory, never loopback tcp while shm is connected), or "
-     "forced: cuda_ipc, shm_staged, tcp"},
-    {"engine.merge_iovs", OptionType::kBool, "true",
-     "iovs of one call that continue each other on both sides (the next local address and the "
-     "next remote offset of the same descriptor) reach the transport as one segment"},
-};
-
 std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
-}
-
-std::vector<OptionSpec> all_option_specs() {
-  std::vector<OptionSpec> specs(std::begin(kEngineOptionSpecs), std::end(kEngineOptionSpecs));
-  for (const auto& t : registered_transports()) {
-    specs.insert(specs.end(), t.options.begin(), t.options.end());
-  }
-  return specs;
 }
 
 // spdlog's default logger writes to stdout, which belongs to the application
@@ -112,6 +85,9 @@ class Engine::Impl {
     log_to_stderr();
     wait_spin_ = std::chrono::microseconds(options_.get_uint("engine.wait_spin_us"));
     merge_iovs_ = options_.get_bool("engine.merge_iovs");
+    windows_.configure(
+        {options_.get_uint(kPeerWindowBytesOption), options_.get_uint(kPeerWindowIovsOption)});
+    window_wait_ = std::chrono::milliseconds(options_.get_uint(kPeerWindowWaitOption));
     auto gpu_path = parse_gpu_same_host_path(options_.get_string(kGpuSameHostPathOption));
     if (!gpu_path.ok()) return gpu_path.status();
     transports_.set_gpu_path(*gpu_path);
@@ -403,8 +379,10 @@ class Engine::Impl {
     return Status::Ok();
   }
 
+  // `window_wait`: how long to wait for room in the peer's window.
   Result<TransferId> post(TransferOp op, PeerId peer, std::span<const LocalIov> local,
-                          std::span<const RemoteIov> remote, std::optional<ByteView> notification) {
+                          std::span<const RemoteIov> remote, std::optional<ByteView> notification,
+                          std::chrono::milliseconds window_wait) {
     // An unconnected peer is the error reported first, whatever else is
     // wrong; it is looked at only when something failed, so a call to a
     // connected peer asks its transports once (choose), not twice.
@@ -425,9 +403,18 @@ class Engine::Impl {
       return chosen.status();
     }
     Transport* transport = *chosen;
+    uint64_t bytes = 0;
+    for (const Segment& seg : segments) bytes += seg.length;
+    const uint64_t window_bytes = bytes + (notification ? notification->size() : 0);
+    if (Status w = windows_.acquire(peer, window_bytes, segments.size(),
+                                    PeerWindows::Clock::now() + window_wait);
+        !w.ok()) {
+      return w;
+    }
     auto t = transfers_.create(op, peer);
     t->transport = transport;
-    for (const Segment& seg : segments) t->bytes += seg.length;
+    t->bytes = bytes;
+    t->hold_window(&windows_, window_bytes, segments.size());
     if (notification) {
       t->notification.assign(notification->begin(), notification->end());
       t->has_notification = true;
@@ -436,6 +423,7 @@ class Engine::Impl {
                                         : transport->post_read(peer, t, std::move(segments));
     if (!s.ok()) {
       transport->cancel(*t);
+      t->release_window();
       transfers_.erase(t->id());
       return s;
     }
@@ -532,6 +520,8 @@ class Engine::Impl {
   std::string host_id_;
   OptionSet options_;
   RegionRegistry registry_;
+  PeerWindows windows_;  // before transfers_: a transfer gives its room back as it completes
+  std::chrono::milliseconds window_wait_{0};
   TransferTable transfers_;
   TransportSet transports_;
   std::mutex peers_mu_;
@@ -705,17 +695,22 @@ Result<RemoteDescriptor> Engine::advertise(RegionId region, uint64_t offset, uin
 Result<TransferId> Engine::write_async(PeerId peer, std::span<const LocalIov> local,
                                        std::span<const RemoteIov> remote,
                                        std::optional<ByteView> notification) {
-  return impl_->post(TransferOp::kWrite, peer, local, remote, notification);
+  return impl_->post(TransferOp::kWrite, peer, local, remote, notification, impl_->window_wait_);
 }
 
 Result<TransferId> Engine::read_async(PeerId peer, std::span<const LocalIov> local,
                                       std::span<const RemoteIov> remote) {
-  return impl_->post(TransferOp::kRead, peer, local, remote, std::nullopt);
+  return impl_->post(TransferOp::kRead, peer, local, remote, std::nullopt, impl_->window_wait_);
 }
 
 namespace {
-Status finish_blocking(Engine& e, Result<TransferId> id, std::chrono::milliseconds timeout) {
+// `posted_at`: the call's start; its timeout covers the wait for room in the
+// peer's window too.
+Status finish_blocking(Engine& e, Result<TransferId> id, std::chrono::milliseconds timeout,
+                       std::chrono::steady_clock::time_point posted_at) {
   if (!id.ok()) return id.status();
+  timeout -= std::min(timeout, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::steady_clock::now() - posted_at));
   Status s = e.wait(*id, timeout);
   if (s.code() == StatusCode::kTimeout) {
     // The caller gets control of its buffers back: stop the transfer first.
@@ -729,12 +724,18 @@ Status finish_blocking(Engine& e, Result<TransferId> id, std::chrono::millisecon
 Status Engine::write(PeerId peer, std::span<const LocalIov> local,
                      std::span<const RemoteIov> remote, std::optional<ByteView> notification,
                      std::chrono::milliseconds timeout) {
-  return finish_blocking(*this, write_async(peer, local, remote, notification), timeout);
+  const auto start = std::chrono::steady_clock::now();
+  return finish_blocking(
+      *this, impl_->post(TransferOp::kWrite, peer, local, remote, notification, timeout), timeout,
+      start);
 }
 
 Status Engine::read(PeerId peer, std::span<const LocalIov> local, std::span<const RemoteIov> remote,
                     std::chrono::milliseconds timeout) {
-  return finish_blocking(*this, read_async(peer, local, remote), timeout);
+  const auto start = std::chrono::steady_clock::now();
+  return finish_blocking(*this,
+                         impl_->post(TransferOp::kRead, peer, local, remote, std::nullopt, timeout),
+                         timeout, start);
 }
 
 Status Engine::test(TransferId transfer) {
@@ -762,14 +763,21 @@ Status Engine::notify(PeerId peer, ByteView payload) {
   if (Status s = impl_->check_peer(peer); !s.ok()) return s;
   auto chosen = impl_->transports_.choose(peer, MemoryRoute::kHostOnly);
   if (!chosen.ok()) return chosen.status();
+  const auto start = std::chrono::steady_clock::now();
+  if (Status w = impl_->windows_.acquire(peer, payload.size(), 1, start + impl_->window_wait_);
+      !w.ok()) {
+    return w;
+  }
   auto t = impl_->transfers_.create(TransferOp::kNotify, peer);
   t->transport = *chosen;
+  t->hold_window(&impl_->windows_, payload.size(), 1);
   Status s = (*chosen)->post_notification(peer, t, Bytes(payload.begin(), payload.end()));
   if (!s.ok()) {
+    t->release_window();
     impl_->transfers_.erase(t->id());
     return s;
   }
-  return finish_blocking(*this, t->id(), std::chrono::seconds(30));
+  return finish_blocking(*this, t->id(), std::chrono::seconds(30), start);
 }
 
 std::vector<Notification> Engine::take_notifications() {

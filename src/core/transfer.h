@@ -19,6 +19,7 @@
 
 namespace ferry {
 
+class PeerWindows;
 class Transport;
 
 enum class TransferOp : uint8_t { kWrite, kRead, kNotify };
@@ -56,6 +57,10 @@ class Transfer {
   // The transport's own record of the transfer, where it keeps one (set and
   // read under the transport's lock; core never touches it).
   void* transport_state = nullptr;
+  // Room this transfer holds in its peer's window (core/peer_window.h), given
+  // back once: by complete(), or by core when posting failed.
+  void hold_window(PeerWindows* windows, uint64_t window_bytes, uint64_t window_iovs);
+  void release_window();
   // Payload of a notification sent after the write completes (empty: none).
   Bytes notification;
   bool has_notification = false;
@@ -90,6 +95,9 @@ class Transfer {
   Status status_;
   Status first_error_;
   uint32_t tx_active_ = 0;  // guarded by mu_
+  std::atomic<PeerWindows*> window_{nullptr};
+  uint64_t window_bytes_ = 0;
+  uint64_t window_iovs_ = 0;
 };
 
 // Live transfers by id. Ids grow from 1 and are never reused.

@@ -1,5 +1,6 @@
 #include "core/block_cache.h"
 #include "core/cpu_relax.h"
+#include "core/peer_window.h"
 #include "core/transfer.h"
 #include "transport/transport.h"
 
@@ -20,6 +21,9 @@ bool Transfer::complete(Status status) {
     return false;
   }
   status_ = std::move(status);
+  // Before finished_: a caller who saw this transfer finish and posts again
+  // finds its room free.
+  release_window();
   // Logged before waiters can see the transfer finished.
   if (trace) trace->finish(id_, peer_, static_cast<uint8_t>(op_), bytes, status_.code());
   // seq_cst with the load of sleepers_ (and the sleeper's increment before
@@ -31,6 +35,18 @@ bool Transfer::complete(Status status) {
     cv_.notify_all();
   }
   return true;
+}
+
+void Transfer::hold_window(PeerWindows* windows, uint64_t window_bytes, uint64_t window_iovs) {
+  window_bytes_ = window_bytes;
+  window_iovs_ = window_iovs;
+  window_.store(windows, std::memory_order_release);
+}
+
+void Transfer::release_window() {
+  if (PeerWindows* w = window_.exchange(nullptr, std::memory_order_acq_rel)) {
+    w->release(peer_, window_bytes_, window_iovs_);
+  }
 }
 
 Status Transfer::status() const {

@@ -518,9 +518,28 @@ void TcpTransport::cancel(Transfer& t) {
         }
       }
       if (fence) fence_sent_frames(*g, *sp, t);
+      drop_unsent_frames(*sp, t);
     }
+    // Requests of `t` held behind a cancel fence never go either.
+    std::lock_guard fence_lock(g->fence_mu);
+    std::erase_if(g->backlog, [&t](const HeldPost& p) { return p.transfer.get() == &t; });
   }
   t.wait_tx_idle();  // a sender that was between frames finishes its step
+}
+
+void TcpTransport::drop_unsent_frames(Stream& s, const Transfer& t) {
+  // The sender would drop them when it reaches them, but behind a stalled
+  // peer it may never do so: a loop of posts and cancels would pile frames
+  // (and their expected responses) up without bound.
+  // A read's request frames name the transfer only through their Pending
+  // (they read no caller memory).
+  std::erase_if(s.txq, [&t](const std::unique_ptr<TxFrame>& f) {
+    if (f->started) return false;
+    if (f->transfer.get() != &t && !(f->pending && f->pending->transfer.get() == &t)) return false;
+    if (f->pending) f->pending->dropped = true;
+    return true;
+  });
+  std::erase_if(s.pending, [](const std::shared_ptr<Pending>& p) { return p->dropped; });
 }
 
 // ---------------------------------------------------------- cancel fence ---

@@ -355,6 +355,9 @@ class TcpTransport final : public Transport {
   // cancel() of write `t`: its frames not yet started on `s` will never be;
   // those (partly) sent raise the fence until acknowledged. tx_mu held.
   static void fence_sent_frames(Group& group, Stream& s, const Transfer& t);
+  // cancel() of `t`: its frames on `s` not yet started leave the queue now,
+  // with the responses they would have had. tx_mu held.
+  static void drop_unsent_frames(Stream& s, const Transfer& t);
   // A fenced frame's WRITE_ACK arrived on `s`.
   void unfence(Stream& s);
   // Sends the backlog while no fence stands; lowers `held` once it is empty.

@@ -1,0 +1,53 @@
+#include "core/engine_options.h"
+
+#include "core/gpu_path.h"
+#include "transport/transport.h"
+
+namespace ferry {
+namespace {
+
+const OptionSpec kEngineOptionSpecs[] = {
+    {"engine.transports", OptionType::kString, "auto",
+     "transports to run: auto (every one that can work here) or a comma list, e.g. tcp to force "
+     "tcp, shm,tcp; per peer the fastest connected one that carries the memory is used"},
+    {"engine.host_id", OptionType::kString, "",
+     "identity of this host for the same-host decision (empty: the kernel's boot id); engines "
+     "with different ids never use same-host transports between them"},
+    {"engine.log_level", OptionType::kString, "warn",
+     "log level: trace, debug, info, warn, error, off"},
+    {"engine.wait_spin_us", OptionType::kUint, "100",
+     "wait() on a transfer of up to 256 KiB spins this long before sleeping (0: sleep at once)", 0,
+     100000},
+    {kGpuSameHostPathOption, OptionType::kString, "auto",
+     "how GPU memory moves between engines of one host: auto (cuda_ipc where it connects, else "
+     "staged through shm's shared host memory, never loopback tcp while shm is connected), or "
+     "forced: cuda_ipc, shm_staged, tcp"},
+    {"engine.merge_iovs", OptionType::kBool, "true",
+     "iovs of one call that continue each other on both sides (the next local address and the "
+     "next remote offset of the same descriptor) reach the transport as one segment"},
+    // A slow or stalled peer: docs/reliability.md, "A slow peer".
+    {kPeerWindowBytesOption, OptionType::kBytes, "4GiB",
+     "payload bytes in flight to one peer (posted, not yet complete); a call that would pass it "
+     "waits for room, then fails with Busy. A call larger than the window runs alone",
+     1},
+    {kPeerWindowIovsOption, OptionType::kUint, "262144",
+     "segments (iovs after merging; a notification counts one) in flight to one peer; bounds "
+     "the engine's bookkeeping per peer as peer_window_bytes bounds the payload",
+     1},
+    {kPeerWindowWaitOption, OptionType::kDurationMs, "10000",
+     "how long write_async/read_async/notify wait for room in a full window before failing with "
+     "Busy (0: fail at once); blocking write()/read() wait up to their own timeout instead",
+     0, 86'400'000},
+};
+
+}  // namespace
+
+std::vector<OptionSpec> all_option_specs() {
+  std::vector<OptionSpec> specs(std::begin(kEngineOptionSpecs), std::end(kEngineOptionSpecs));
+  for (const auto& t : registered_transports()) {
+    specs.insert(specs.end(), t.options.begin(), t.options.end());
+  }
+  return specs;
+}
+
+}  // namespace ferry
