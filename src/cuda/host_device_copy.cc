@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
+#include "cuda/default_stream_mark.h"
 #include "fmt/format.h"
 
 namespace ferry {
@@ -55,7 +56,7 @@ void cuda_unpin_host_range(void* data) {
   if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
 }
 
-Status cuda_copy_now(std::span<const HostDeviceCopy> copies) {
+Status cuda_copy_now(std::span<const HostDeviceCopy> copies, const DefaultStreamMark* after) {
   thread_local ThreadStreams streams;
   std::vector<std::pair<int, cudaStream_t>> used;
   Status first;
@@ -67,6 +68,14 @@ Status cuda_copy_now(std::span<const HostDeviceCopy> copies) {
       break;
     }
     cuda::DeviceGuard guard(c.device);
+    bool seen = false;
+    for (const auto& u : used) seen = seen || u.second == *stream;
+    if (!seen && after != nullptr) {
+      if (Status s = after->order(c.device, *stream); !s.ok()) {
+        first = Status(s.code(), fmt::format("GPU {}: {}", c.device, s.message()));
+        break;
+      }
+    }
     const cudaError_t e = c.to_device ? cudaMemcpyAsync(c.device_memory, c.host_memory, c.bytes,
                                                         cudaMemcpyHostToDevice, *stream)
                                       : cudaMemcpyAsync(c.host_memory, c.device_memory, c.bytes,
@@ -78,8 +87,6 @@ Status cuda_copy_now(std::span<const HostDeviceCopy> copies) {
                      fmt::format("{} of {} bytes on GPU {}", first.message(), c.bytes, c.device));
       break;
     }
-    bool seen = false;
-    for (const auto& u : used) seen = seen || u.second == *stream;
     if (!seen) used.emplace_back(c.device, *stream);
   }
   // Wait even after a failure: copies already queued still touch the memory.

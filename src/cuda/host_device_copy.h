@@ -16,6 +16,10 @@
 #include "ferry/status.h"
 
 namespace ferry {
+class DefaultStreamMark;
+}
+
+namespace ferry {
 
 // Pins [data, data + bytes) for every GPU of this process
 // (cudaHostRegisterPortable), so copies to and from it run on the copy
@@ -36,6 +40,11 @@ struct HostDeviceCopy {
 
 // Queues every copy on the calling thread's stream of its device and waits
 // for all of them. An error names the copy that failed (device, bytes).
-Status cuda_copy_now(std::span<const HostDeviceCopy> copies);
+// `after` (cuda/default_stream_mark.h), when given: the copies run after the
+// work it marks on each device's legacy default stream -- a caller's
+// cudaMemcpy from pageable memory returns before its DMA into GPU memory is
+// done, and a copy out of that memory on another stream must wait for it.
+Status cuda_copy_now(std::span<const HostDeviceCopy> copies,
+                     const DefaultStreamMark* after = nullptr);
 
 }  // namespace ferry

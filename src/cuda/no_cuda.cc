@@ -89,7 +89,7 @@ Status cuda_pin_host_range(void*, uint64_t) {
   return err::NotSupported(kReason);
 }
 void cuda_unpin_host_range(void*) {}
-Status cuda_copy_now(std::span<const HostDeviceCopy> copies) {
+Status cuda_copy_now(std::span<const HostDeviceCopy> copies, const DefaultStreamMark*) {
   if (copies.empty()) return Status::Ok();
   return err::NotSupported(kReason);
 }

@@ -84,8 +84,9 @@ TEST(Symmetric, HostCallsRefuseBadArguments) {
     c.status(mem->join(m.all_gather(mem->card())), "join");
     c.error_has(mem->join(m.all_gather(mem->card())), ferry::StatusCode::kInvalidArgument,
                 "already");
+    const std::string n = std::to_string(m.size());
     c.error_has(mem->put(m.size(), 0, src, 16, nullptr), ferry::StatusCode::kInvalidArgument,
-                "member 2 of a group of 2");
+                "member " + n + " of a group of " + n);
     c.error_has(mem->put(0, 4000, src, 200, nullptr), ferry::StatusCode::kOutOfRange,
                 "200 bytes at offset 4000");
     c.error_has(mem->signal(0, 64, 1, false, nullptr), ferry::StatusCode::kInvalidArgument,
@@ -94,8 +95,9 @@ TEST(Symmetric, HostCallsRefuseBadArguments) {
                 "member -1");
     c.error_has(mem->wait(70, 1, nullptr), ferry::StatusCode::kInvalidArgument, "slot 70");
     o.data_bytes = 0;
-    o.rank = 2;
-    c.error_has(SymmetricMemory::create(o).status(), ferry::StatusCode::kInvalidArgument, "rank 2");
+    o.rank = m.size();
+    c.error_has(SymmetricMemory::create(o).status(), ferry::StatusCode::kInvalidArgument,
+                "rank " + n);
     cudaFree(src);
     m.barrier();
     return c.report();
@@ -117,7 +119,9 @@ TEST(Symmetric, JoinRefusesDifferentSizesForeignHostsAndBadCards) {
       if (!mem.ok()) return "create: " + mem.status().message();
       const ferry::Status s = (*mem)->join(m.all_gather((*mem)->card()));
       c.error_has(s, ferry::StatusCode::kInvalidArgument, "sizes differ: member");
-      c.error_has(s, ferry::StatusCode::kInvalidArgument, "1048832");  // member 1's size
+      // Member 0 compares against member 1's size; member r > 1 its own.
+      const uint64_t named = (1u << 20) + (m.rank() == 0 ? 1 : m.rank()) * 256;
+      c.error_has(s, ferry::StatusCode::kInvalidArgument, std::to_string(named));
       m.barrier();
     }
     auto created = SymmetricMemory::create(o);
@@ -170,7 +174,8 @@ TEST(Symmetric, KernelPutsAtThreadWarpAndBlockGranularity) {
     c.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     c.equal(ok.host_int(), 1, "all three signals arrived");
     const auto got = symtest::to_host(mem->local_data(), wo + wb + bb);
-    auto expect = symtest::random_bytes(seed, (m.rank() + 1) % m.size(), wo + wb + bb);
+    // What member rank - 1 put here (it puts to its rank + 1).
+    auto expect = symtest::random_bytes(seed, (m.rank() + m.size() - 1) % m.size(), wo + wb + bb);
     std::fill(expect.begin() + tb, expect.begin() + wo, 0);  // nobody wrote [tb, wo)
     c.bytes_equal(got, expect, "thread, warp and block puts");
     c.status(mem->device_error(), "device_error");
@@ -285,8 +290,12 @@ TEST(Symmetric, WaitTimesOutAndTheHostReadsWhy) {
     const ferry::StatusCode codes[] = {ferry::StatusCode::kInvalidArgument,
                                        ferry::StatusCode::kInvalidArgument,
                                        ferry::StatusCode::kOutOfRange};
-    const char* words[] = {"named member 2 of a group of 2", "named signal slot 66",
-                           "ends at byte 257"};
+    const ferry::DeviceTeam team = mem->team();
+    const std::string n = std::to_string(m.size());
+    const std::string words[] = {
+        "named member " + n + " of a group of " + n,
+        "named signal slot " + std::to_string(team.signal_slots + team.reserved_slots),
+        "ends at byte 257"};
     for (int which = 0; which < 3; ++which) {
       mem->clear_device_error();
       c.cuda(symtest::bad_call(mem->team(), which, result, nullptr), "launch");

@@ -62,8 +62,7 @@ void ShmTransport::worker_loop(int index) {
     if (task.drain) {
       drain_backlog(task.conn);
     } else if (task.answered.transfer) {
-      copy_out(*task.answered.transfer, *task.conn, task.answered.copy_out,
-               task.answered.copy_out_devices);
+      copy_out(*task.answered.transfer, *task.conn, task.answered);
       finish_answer(*task.conn, task.answered);
     } else if (!task.response.empty()) {
       if (Status st = send_frame(*task.conn, task.response); !st.ok()) {

@@ -96,7 +96,7 @@ Status ShmTransport::on_response(Connection& c, ByteView body) {
       submit(std::move(task));
       return Status::Ok();
     }
-    copy_out(*t, c, p.copy_out, p.copy_out_devices);
+    copy_out(*t, c, p);
   }
   finish_answer(c, p);
   return Status::Ok();
@@ -108,15 +108,16 @@ void ShmTransport::finish_answer(Connection& c, const Pending& p) {
   if (p.transfer->outstanding.fetch_sub(1) == 1) finish(c.shared_from_this(), p.transfer);
 }
 
-void ShmTransport::copy_out(Transfer& t, Connection& c, std::span<const CopyPiece> pieces,
-                            std::span<const int> devices) {
+void ShmTransport::copy_out(Transfer& t, Connection& c, const Pending& p) {
   // Under io_mu: cancel() (which sets `cancelled` under it first) returns
   // only after a copy that started, and none starts after it.
   std::lock_guard io(t.io_mu);
   if (t.cancelled) return;
   // GPU destinations: host → device copies, waited for here, so the
   // transfer completes only once its bytes are in GPU memory.
-  if (Status s = copy_through_area(c, /*own=*/true, pieces, devices, /*to_area=*/false); !s.ok()) {
+  if (Status s = copy_through_area(c, /*own=*/true, p.copy_out, p.copy_out_devices,
+                                   /*to_area=*/false, p.after.get());
+      !s.ok()) {
     t.note_error(s);
   }
 }
@@ -202,6 +203,7 @@ Status ShmTransport::send_staged(const std::shared_ptr<Connection>& c, StagedReq
   if (request.op == Op::kReadReq) {
     entry.copy_out = std::move(request.copies);
     entry.copy_out_devices = std::move(request.devices);
+    entry.after = request.after;
   } else {
     copy_in = request.copies;
     copy_in_devices = request.devices;
@@ -210,7 +212,7 @@ Status ShmTransport::send_staged(const std::shared_ptr<Connection>& c, StagedReq
   return send_request(c, request.transfer, id,
                       encode_request(request.op, id, request.segments, request.embed_notification,
                                      request.notification, /*staged=*/true),
-                      std::move(entry), copy_in, copy_in_devices);
+                      std::move(entry), copy_in, copy_in_devices, request.after.get());
 }
 
 void ShmTransport::drain_backlog(const std::shared_ptr<Connection>& c) {
@@ -317,6 +319,25 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
     note = std::move(t->notification);
     t->has_notification = false;
   }
+  // Local GPU memory: its copies (into our area now or later, out of it when
+  // a read's answer comes) run after what the caller queued on the default
+  // stream before this call -- a cudaMemcpy from pageable memory into the
+  // source returns before its DMA is done -- and nothing queued later.
+  std::shared_ptr<const DefaultStreamMark> after;
+  if (gpu) {
+    std::vector<int> local_devices;
+    for (const Segment& s : segments) {
+      if (s.local_device >= 0) local_devices.push_back(s.local_device);
+    }
+    if (!local_devices.empty()) {
+      auto mark = DefaultStreamMark::take(local_devices);
+      if (!mark.ok()) {
+        return Status(mark.status().code(), fmt::format("shm: {} to peer {}: {}", what,
+                                                        hex_id(peer), mark.status().message()));
+      }
+      after = std::move(mark.value());
+    }
+  }
   t->outstanding.store(requests);
 
   std::vector<WireSegment> current;
@@ -358,6 +379,7 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
           request.segments = std::move(current);
           request.copies = std::move(copies);
           request.devices = std::move(devices);
+          request.after = after;
           request.bytes = staged_bytes;
           request.embed_notification = embed;
           request.notification = note;
@@ -429,7 +451,8 @@ Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
                                   const std::shared_ptr<Transfer>& t, uint64_t id,
                                   const Bytes& frame, Pending entry,
                                   std::span<const CopyPiece> copy_in,
-                                  std::span<const int> copy_in_devices) {
+                                  std::span<const int> copy_in_devices,
+                                  const DefaultStreamMark* after) {
   const uint64_t range = entry.range;
   Status refused;
   bool copy_failed = false;
@@ -443,7 +466,8 @@ Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
       // A staged write's bytes go into our area before the peer can see
       // the request; cancel() waits for this copy out of local memory (GPU
       // memory: device → host copies, waited for here).
-      refused = copy_through_area(*c, /*own=*/true, copy_in, copy_in_devices, /*to_area=*/true);
+      refused =
+          copy_through_area(*c, /*own=*/true, copy_in, copy_in_devices, /*to_area=*/true, after);
       copy_failed = !refused.ok();
       std::lock_guard lock(c->mu);
       if (copy_failed) {

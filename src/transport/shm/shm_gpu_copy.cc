@@ -37,7 +37,8 @@ void pin_once(Connection& c, bool own) {
 }  // namespace
 
 Status copy_through_area(Connection& c, bool own, std::span<const CopyPiece> pieces,
-                         std::span<const int> devices, bool to_area) {
+                         std::span<const int> devices, bool to_area,
+                         const DefaultStreamMark* after) {
   uint8_t* area = own ? c.own.data() : c.theirs.data();
   std::vector<HostDeviceCopy> gpu;
   for (size_t i = 0; i < pieces.size(); ++i) {
@@ -55,7 +56,7 @@ Status copy_through_area(Connection& c, bool own, std::span<const CopyPiece> pie
   }
   if (gpu.empty()) return Status::Ok();
   pin_once(c, own);
-  if (Status s = cuda_copy_now(gpu); !s.ok()) {
+  if (Status s = cuda_copy_now(gpu, after); !s.ok()) {
     return Status(s.code(), fmt::format("shm: GPU memory {} the staging area of peer {:016x}: {}",
                                         to_area ? "into" : "out of", c.peer, s.message()));
   }

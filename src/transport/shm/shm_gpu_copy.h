@@ -19,8 +19,11 @@ namespace ferry::shm {
 // (own: ours, else the peer's; piece.remote an offset in it). `to_area`:
 // local → area, else area → local. devices[i] >= 0: piece i's local side is
 // GPU memory of that device (a copy-engine copy, waited for before this
-// returns); -1 or `devices` empty: host memory (memcpy).
+// returns); -1 or `devices` empty: host memory (memcpy). `after`: the GPU
+// copies run after the caller's default-stream work it marks (taken when
+// the transfer was posted).
 Status copy_through_area(Connection& c, bool own, std::span<const CopyPiece> pieces,
-                         std::span<const int> devices, bool to_area);
+                         std::span<const int> devices, bool to_area,
+                         const DefaultStreamMark* after = nullptr);
 
 }  // namespace ferry::shm

@@ -52,6 +52,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "cuda/default_stream_mark.h"
 #include "transport/shm/cma.h"
 #include "transport/shm/shm_wire.h"
 #include "transport/shm/staging.h"
@@ -97,6 +98,8 @@ struct Pending {
   uint64_t range = kNoRange;
   std::vector<CopyPiece> copy_out;
   std::vector<int> copy_out_devices;  // per piece: its GPU, -1 host memory (empty: all host)
+  // GPU destinations: the caller's default-stream work when it posted the read.
+  std::shared_ptr<const DefaultStreamMark> after;
 };
 
 // A staged request not sent yet: it waits for a range of our area (or, a
@@ -108,6 +111,9 @@ struct StagedRequest {
   std::vector<WireSegment> segments;
   std::vector<CopyPiece> copies;  // local: the caller's memory; remote: offset in the range
   std::vector<int> devices;  // per copy: the GPU of its local memory, -1 host (empty: all host)
+  // Local GPU memory: the caller's default-stream work when it posted (a
+  // write's source may still be being filled there).
+  std::shared_ptr<const DefaultStreamMark> after;
   uint64_t bytes = 0;
   bool embed_notification = false;
   Bytes notification;
@@ -286,7 +292,8 @@ class ShmTransport final : public Transport {
   Status send_request(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t,
                       uint64_t id, const Bytes& frame, Pending entry = {},
                       std::span<const CopyPiece> copy_in = {},
-                      std::span<const int> copy_in_devices = {});
+                      std::span<const int> copy_in_devices = {},
+                      const DefaultStreamMark* after = nullptr);
   // Staging: sends `request` now if a range of our area is free, none waits
   // before it, no cancel fence is up and `*budget` (the bytes the posting
   // thread may still copy, one area's worth per post) allows; else queues it
@@ -309,8 +316,7 @@ class ShmTransport final : public Transport {
   void release_range(Connection& c, uint64_t offset);
   // A staged read's bytes, from our area to their destinations, unless the
   // transfer was cancelled or failed.
-  void copy_out(Transfer& t, Connection& c, std::span<const CopyPiece> pieces,
-                std::span<const int> devices);
+  void copy_out(Transfer& t, Connection& c, const Pending& p);
   // After an answer (and a staged read's copy out): the range back, the
   // transfer's count down, and its completion after the last.
   void finish_answer(Connection& c, const Pending& p);
