@@ -10,8 +10,8 @@ is written, read back and compared after the timed run).
     python3 bench/tcp_ab.py --base BASE/build/tools/ferry-bench --new build/tools/ferry-bench \\
         [--rounds 5] [--secs 1] [--places loopback,netns] [--workloads "1MiB x 8,64KiB x 8"]
 
-netns needs root and iproute2; its namespaces (ferryabA/B, 169.254.78.0/24 on the veth
-only) are deleted at the end whatever happens. The target side runs in A, the
+netns needs root and iproute2; its namespaces (bench/netns.py: ferryabA/B, 10.78.78.0/24 on
+the veth only) are deleted at the end whatever happens. The target side runs in A, the
 initiator and the iperf3 client in B. Run it `nice -n 10` on a shared machine.
 """
 from __future__ import annotations
@@ -24,40 +24,11 @@ import subprocess
 import sys
 import time
 
+from netns import addr, prefix, sh  # bench/netns.py: the namespaces and their veth
+import netns
+
 WORKLOADS = {"4KiB x 64": ("4KiB", 64), "64KiB x 8": ("64KiB", 8), "1MiB x 8": ("1MiB", 8),
              "KV 298 x 1179648": ("1179648", 298)}
-NS = ("ferryabA", "ferryabB")
-VETH = ("fvabA", "fvabB")
-ADDR = ("169.254.78.1", "169.254.78.2")
-
-
-def sh(*argv, check=True):
-    return subprocess.run(argv, capture_output=True, text=True, check=check)
-
-
-def netns_up():
-    netns_down()
-    for ns in NS:
-        sh("ip", "netns", "add", ns)
-    sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-    for i in range(2):
-        sh("ip", "link", "set", VETH[i], "netns", NS[i])
-        sh("ip", "-n", NS[i], "addr", "add", ADDR[i] + "/24", "dev", VETH[i])
-        sh("ip", "-n", NS[i], "link", "set", VETH[i], "up")
-        sh("ip", "-n", NS[i], "link", "set", "lo", "up")
-
-
-def netns_down():
-    for ns in NS:
-        sh("ip", "netns", "del", ns, check=False)
-
-
-def prefix(place, side):  # side 0: target / server, 1: initiator / client
-    return ["ip", "netns", "exec", NS[side]] if place == "netns" else []
-
-
-def addr(place, side):
-    return ADDR[side] if place == "netns" else "127.0.0.1"
 
 
 def env_for(binary):
@@ -135,7 +106,7 @@ def main():
     log = lambda *m: print(*m, file=sys.stderr, flush=True)
     try:
         if "netns" in places:
-            netns_up()
+            netns.up()
         for r in range(a.rounds):
             for place in places:
                 for w in workloads:
@@ -150,7 +121,7 @@ def main():
                         log(f"round {r + 1} {place:8} {w:17} {s:6} {g:7.3f} GB/s")
     finally:
         if "netns" in places:
-            netns_down()
+            netns.down()
 
     def cell(v):
         v = list(v.values())

@@ -4,6 +4,10 @@ per workload and round (order rotated); the table shows medians and, after
 several rounds, the spread (lowest-highest); ratios are of the medians, with
 the spread of the per-round ratios. Started by run.sh (which sets up the venv);
 see bench/peers/README.md.
+
+--place netns: each measurement's target in network namespace A, its initiator in
+B, joined by a veth pair (bench/netns.py; needs root; the namespaces are deleted
+at the end); only the tcp rows and iperf3 run there.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +24,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import netns  # noqa: E402  (bench/netns.py: two namespaces and their veth pair)
 
 # name shown, driver engine, extra environment
 ENGINES = {
@@ -59,6 +66,30 @@ DEFAULT_ENGINES = [n for n in ENGINES
                    if "copy thread" not in n and "8 streams" not in n and "baseline" not in n]
 # Quiet logs for every engine (Mooncake logs each completed batch at INFO).
 QUIET = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "warn"}
+
+
+def crosses_network(name):
+    """The rows that make sense between two network namespaces: tcp ones and iperf3
+    (shm and UCX's cross-memory attach are one-kernel shortcuts, Mooncake stays on 127.0.0.1)."""
+    env = ENGINES[name][1]
+    return name == "iperf3" or env.get("FERRY_ENGINE_TRANSPORTS") == "tcp" or env.get("UCX_TLS") == "tcp"
+
+
+def place_env(place, kind):
+    """Driver prefix and environment for a place: netns runs the initiator (the driver)
+    in B and its target under `ip netns exec A`, each on its veth address; NIXL's UCX
+    on each side's veth instead of lo."""
+    if place != "netns":
+        return [], {}
+    env = {"PEERS_TARGET_PREFIX": " ".join(netns.prefix(place, netns.TARGET)
+                                           + ["env", f"UCX_NET_DEVICES={netns.VETH[netns.TARGET]}"]),
+           "PEERS_TARGET_ADDR": netns.addr(place, netns.TARGET),
+           "PEERS_INITIATOR_ADDR": netns.addr(place, netns.INITIATOR)}
+    if kind == "nixl":
+        env["UCX_NET_DEVICES"] = netns.VETH[netns.INITIATOR]
+    return netns.prefix(place, netns.INITIATOR), env
+
+
 # name, block bytes, iovs per call
 WORKLOADS = [("4KiB x 64", 4096, 64), ("64KiB x 8", 65536, 8), ("1MiB x 8", 1 << 20, 8),
              ("KV 298 x 1179648", 1179648, 298)]
@@ -72,8 +103,9 @@ RATIOS = [("Ferry", "NIXL"), ("Ferry", "NIXL progthread"), ("Ferry", "Mooncake")
 
 def call_driver(name, args, extra, timeout):
     kind, env = ENGINES[name]
-    env = {**os.environ, **QUIET, **env}
-    cmd = [sys.executable, str(HERE / "peer.py"), kind, *extra]
+    prefix, where = place_env(args.place, kind)
+    env = {**os.environ, **QUIET, **env, **where}
+    cmd = [*prefix, sys.executable, str(HERE / "peer.py"), kind, *extra]
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -102,6 +134,10 @@ def main():
     ap.add_argument("--grouped", action="store_true",
                     help="one pair of processes per engine and round runs every workload (one "
                          "start-up instead of one per workload: for a short lease on a machine)")
+    ap.add_argument("--place", choices=["loopback", "netns"], default="loopback",
+                    help="loopback: both processes on 127.0.0.1; netns: target in network namespace "
+                         f"{netns.NS[0]} ({netns.ADDR[0]}), initiator in {netns.NS[1]} ({netns.ADDR[1]}), "
+                         "a veth pair between them (root; tcp rows and iperf3 only)")
     ap.add_argument("--json", nargs="?", const="auto", default=None,
                     help="write results (default bench/results/peers-DATE-COMMIT.jsonl)")
     a = ap.parse_args()
@@ -110,15 +146,40 @@ def main():
     names = [n.strip() for n in a.engines.split(",")]
     if unknown := [n for n in names if n not in ENGINES]:
         sys.exit(f"unknown engine(s) {unknown}; known: {', '.join(ENGINES)}")
+    not_run = {}
+    if a.place == "netns":
+        for n in names:
+            if not crosses_network(n):
+                not_run[n] = ("--place netns runs only the rows that cross a network "
+                              "(Ferry tcp..., NIXL tcp..., iperf3)")
+        names = [n for n in names if n not in not_run]
+        if not names:
+            sys.exit("--place netns: none of the engines crosses the network; name tcp rows "
+                     "(Ferry tcp, NIXL tcp, iperf3, ...)")
     wanted = [w.strip() for w in a.workloads.split(",")]
     workloads = [w for w in WORKLOADS if w[0] in wanted]
     if len(workloads) != len(wanted):
         sys.exit(f"unknown workload in {wanted}; known: {', '.join(w[0] for w in WORKLOADS)}")
     op_list = [o.strip() for o in a.ops.split(",")]
     log = lambda *m: print("[peers]", *m, file=sys.stderr, flush=True)
+    for n, why in not_run.items():
+        log(f"{n}: NOT RUN ({why})")
+    if a.place == "netns":  # `timeout` and the like stop with SIGTERM: delete the namespaces then too
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        if a.place == "netns":
+            netns.up()
+            log(f"netns: target in {netns.NS[0]} ({netns.VETH[0]} {netns.ADDR[0]}), "
+                f"initiator in {netns.NS[1]} ({netns.VETH[1]} {netns.ADDR[1]})")
+        return measure_and_report(a, names, workloads, op_list, not_run, log)
+    finally:
+        if a.place == "netns":
+            netns.down()
 
+
+def measure_and_report(a, names, workloads, op_list, not_run, log):
     # Which engines run here: each creates an engine on both sides and moves 4 KiB.
-    versions, not_run = {}, {}
+    versions = {}
     for n in names:
         rows, err = call_driver(n, a, ["--probe"], 120)
         if rows and not err:
@@ -150,7 +211,7 @@ def main():
                     for wname in names_:
                         batch = next(w[2] for w in workloads if w[0] == wname)
                         r2 = dict(r, kind="measure", engine=n, workload=wname, block_size=r["block"],
-                                  batch=batch, depth=a.depth, rep=rep)
+                                  batch=batch, depth=a.depth, rep=rep, place=a.place)
                         runs.append(r2)
                         if r["verify"] != "ok":
                             failures.append(f"{n} {wname} {r['op']}: DATA CHECK {r['verify']}")
@@ -191,7 +252,7 @@ def main():
                 pr = per_round(wname, op, x, y)
                 if vx and vy:
                     row.append(f"{vx / vy:.2f}" + (f" ({spread(pr)})" if len(pr) > 1 else ""))
-                    ratio_rows.append({"kind": "ratio", "workload": wname, "op": op, "engine": x,
+                    ratio_rows.append({"kind": "ratio", "place": a.place, "workload": wname, "op": op, "engine": x,
                                        "reference": y, "ratio_of_medians": vx / vy, "per_round": pr,
                                        "ahead_rounds": sum(1 for q in pr if q > 1)})
                 else:
@@ -199,7 +260,11 @@ def main():
             table.append(row)
     w = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(hdr)]
     fmt = lambda r: "  ".join(c.rjust(w[i]) if i >= 2 else c.ljust(w[i]) for i, c in enumerate(r))
-    print(f"\nGB/s (10^9 B/s of payload), medians of {a.reps} rounds (lowest-highest); 2 processes, "
+    where = ("loopback (127.0.0.1)" if a.place == "loopback" else
+             f"netns: target in {netns.NS[0]} ({netns.ADDR[0]}), initiator in {netns.NS[1]} "
+             f"({netns.ADDR[1]}), veth; tcp rows and iperf3 only")
+    print(f"\nplace: {where}")
+    print(f"GB/s (10^9 B/s of payload), medians of {a.reps} rounds (lowest-highest); 2 processes, "
           f"host memory, {a.depth} calls in flight, {a.secs} s per run; ratios: of the medians "
           f"(lowest-highest per-round ratio); memcpy: one process, same bytes; iperf3: one stream, "
           f"-l BLOCK; {os.cpu_count()} CPUs")
@@ -247,7 +312,7 @@ def main():
         with open(path, "w") as f:
             dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
                                         capture_output=True, text=True).stdout.strip())
-            f.write(json.dumps({"kind": "run", "date": date, "commit": commit, "dirty_tree": dirty,
+            f.write(json.dumps({"kind": "run", "place": a.place, "date": date, "commit": commit, "dirty_tree": dirty,
                                 "reps": a.reps, "secs": a.secs, "grouped": a.grouped, "warmup": a.warmup, "depth": a.depth,
                                 "nproc": os.cpu_count(), "kernel": platform.release(),
                                 "engines": {n: {"driver": ENGINES[n][0], "env": ENGINES[n][1]} for n in names},
@@ -255,7 +320,7 @@ def main():
             for r in runs:
                 f.write(json.dumps(r) + "\n")
             for (wname, op, n), v in med.items():
-                f.write(json.dumps({"kind": "median", "workload": wname, "op": op, "engine": n, "gbps": v,
+                f.write(json.dumps({"kind": "median", "place": a.place, "workload": wname, "op": op, "engine": n, "gbps": v,
                                     "lowest": min(vals[wname, op, n]), "highest": max(vals[wname, op, n]),
                                     "rounds": len(vals[wname, op, n])}) + "\n")
             for r in ratio_rows:

@@ -10,7 +10,8 @@
 #
 # Here beforehand: bench/device/prepare.sh --nixl (root/, wheels-nixl/) and
 #   (cd .devcarry && mkdir -p debs-iperf && cd debs-iperf && apt-get download iperf3 libiperf0 libsctp1)
-# Mooncake has no wheel carried: its rows are NOT RUN there.
+# Mooncake has no wheel carried: its rows are NOT RUN there. --place netns (two network
+# namespaces over a veth pair, bench/netns.py) needs root and `ip` there.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 ROOT=$PWD

@@ -10,6 +10,12 @@ target; iperf3: one TCP stream on loopback, `iperf3 -l BLOCK`, its own server).
 The environment picks variants (FERRY_ENGINE_TRANSPORTS=tcp, UCX_TLS=tcp;
 PEERS_NIXL_PROG_THREAD=1: NIXL's initiator keeps its UCX progress thread).
 
+Placement (bench.py --place netns sets these; unset: both sides on 127.0.0.1):
+PEERS_TARGET_PREFIX, a command prefix the target process (and iperf3's server)
+is started under, e.g. "ip netns exec ferryabA env UCX_NET_DEVICES=fvabA";
+PEERS_TARGET_ADDR and PEERS_INITIATOR_ADDR, the address each side listens on
+and advertises (Ferry's listen address, iperf3's server address).
+
 --block and --batch may be comma lists of equal length: the workloads run one
 after another in the same pair of processes (one start-up for all of them),
 each line then names its block and batch.
@@ -35,6 +41,30 @@ import numpy as np
 CTX = mp.get_context("spawn")  # a fresh interpreter: no state shared with the initiator
 
 
+def address_of(role):
+    return os.environ.get("PEERS_TARGET_ADDR" if role == "target" else "PEERS_INITIATOR_ADDR") or "127.0.0.1"
+
+
+def target_prefix():
+    return os.environ.get("PEERS_TARGET_PREFIX", "").split()
+
+
+def start_targets_under_prefix():
+    """Spawned targets start as `PREFIX python ...` (e.g. in another network namespace):
+    multiprocessing execs a wrapper script that execs the prefix, which keeps the pipe's
+    file descriptors the child is handed."""
+    if not target_prefix():
+        return
+    import shlex
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", prefix="peers-target-", suffix=".sh", delete=False) as f:
+        f.write("#!/bin/sh\nexec " + " ".join(map(shlex.quote, [*target_prefix(), sys.executable]))
+                + ' "$@"\n')
+    os.chmod(f.name, 0o755)
+    CTX.set_executable(f.name)
+    return f.name
+
+
 def version_of(dist: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
@@ -52,7 +82,8 @@ def version_of(dist: str) -> str:
 class Ferry:
     def __init__(self, buf, role):
         import ferry
-        self.engine = ferry.Engine()  # 127.0.0.1:<free port>; options from FERRY_* env
+        # 127.0.0.1 (or PEERS_*_ADDR):<free port>; options from FERRY_* env
+        self.engine = ferry.Engine(listen=f"{address_of(role)}:0")
         self.region = self.engine.register(buf)
         self.base = 0  # ferry addresses memory by offsets into the region
 
@@ -273,16 +304,17 @@ def iperf3_run(block, secs, warmup, ops, probe=False):
         v = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.split()
         print(json.dumps({"version": " ".join(v[:2]) or "iperf3", "transports": None}), flush=True)
         return
+    host = address_of("target")  # the server: under PEERS_TARGET_PREFIX, on its address
     for op in ops:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("127.0.0.1", 0))  # a port free here; in a fresh namespace every port is
             port = s.getsockname()[1]
-        server = subprocess.Popen([exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+        server = subprocess.Popen([*target_prefix(), exe, "-s", "-1", "-B", host, "-p", str(port)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             time.sleep(0.2)  # the server listens within a few ms; the client retries below
             # iperf3 sends at most 1 MiB per write (its MAX_BLOCKSIZE): larger blocks as 1 MiB.
-            cmd = [exe, "-c", "127.0.0.1", "-p", str(port), "-l", str(min(block, 1 << 20)), "-J",
+            cmd = [exe, "-c", host, "-p", str(port), "-l", str(min(block, 1 << 20)), "-J",
                    "-t", str(max(1, round(secs))), "-O", str(max(0, round(warmup + 0.49)))]
             if op == "read":
                 cmd.append("-R")
@@ -346,6 +378,7 @@ def measure():
         workloads = [(4096, 1)]
         args.depth = 1
     size = max(block * batch for block, batch in workloads) * args.depth
+    wrapper = start_targets_under_prefix()
     conn, child = CTX.Pipe()
     proc = CTX.Process(target=target_main, args=(args.engine, size, child), daemon=True)
     proc.start()
@@ -405,6 +438,8 @@ def measure():
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+        if wrapper:
+            os.unlink(wrapper)
 
 
 def main():

@@ -11,6 +11,7 @@
 #
 # Options (passed to bench.py): -r/--reps N, --secs S, --warmup S, -d/--depth N,
 #   --engines "Ferry,NIXL,...", --workloads "1MiB x 8,...", --ops write, --grouped,
+#   --place netns (two network namespaces over veth; root; tcp rows and iperf3 only),
 #   --json [PATH]; and here: --no-plot, --no-setup
 #   (use build/peers-venv as it is).
 # Set-up (skipped when done): a venv in build/peers-venv with nixl (its UCX
@@ -30,7 +31,7 @@ for a in "$@"; do
   case "$a" in
     --no-setup) SETUP=0 ;;
     --no-plot) PLOT=0 ;;
-    -h|--help) sed -n '2,21p' "$0"; exec python3 "$ROOT/bench/peers/bench.py" --help ;;
+    -h|--help) sed -n '2,22p' "$0"; exec python3 "$ROOT/bench/peers/bench.py" --help ;;
     *) [[ "$a" == --json* ]] && JSON=1; ARGS+=("$a") ;;
   esac
 done
