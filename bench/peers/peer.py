@@ -387,6 +387,9 @@ def measure():
         if not conn.poll(120):
             sys.exit("target did not start in 120 s")
         tag, info = conn.recv()
+        if wrapper:  # the target runs: its wrapper is read (a driver killed later leaves none)
+            os.unlink(wrapper)
+            wrapper = None
         if tag != "ready":
             sys.exit(f"target: {info}")
         buf = np.ones(size, dtype=np.uint8)
