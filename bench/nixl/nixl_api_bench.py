@@ -261,10 +261,25 @@ def harness_of(args, names) -> None:
     'plugin' (NIXL's own agent on libplugin_FERRY.so, --plugin-dir) need only
     --nixl-python; 'ferry' and 'ferry-native' are the default harness's."""
     nixl_env = {"PYTHONPATH": os.environ.get("NIXL_PYTHONPATH", "")}
+    plugin_env = dict(nixl_env, NIXL_BENCH_BACKEND="FERRY",
+                      NIXL_PLUGIN_DIR=os.path.abspath(args.plugin_dir))
+    # The same plugin with shm's small-request polling off (the waiting caller
+    # leaves the socket to the I/O thread, which sleeps at once): shm as it was
+    # before shm.caller_polls and shm.busy_poll_us; and both in staging mode.
+    polls_off = {"FERRY_SHM_CALLER_POLLS": "false", "FERRY_SHM_BUSY_POLL_US": "0"}
+    staging = {"FERRY_SHM_MODE": "staging"}
     known = {"nixl": (args.nixl_python, nixl_env, "nixl"),
-             "plugin": (args.nixl_python, dict(nixl_env, NIXL_BENCH_BACKEND="FERRY",
-                                               NIXL_PLUGIN_DIR=os.path.abspath(args.plugin_dir)),
-                        "nixl")}
+             "plugin": (args.nixl_python, plugin_env, "nixl"),
+             "plugin-nopoll": (args.nixl_python, dict(plugin_env, **polls_off), "nixl"),
+             "plugin-staging": (args.nixl_python, dict(plugin_env, **staging), "nixl"),
+             "plugin-staging-nopoll": (args.nixl_python, dict(plugin_env, **staging, **polls_off),
+                                       "nixl")}
+    # "plugin@NAME=VALUE:NAME=VALUE": the plugin with Ferry options set in the
+    # environment of both processes (an A/B of an option in one run).
+    for n in names:
+        if n.startswith("plugin@"):
+            extra = dict(kv.split("=", 1) for kv in n[len("plugin@"):].split(":"))
+            known[n] = (args.nixl_python, dict(plugin_env, **extra), "nixl")
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"--systems: {unknown} (this harness runs {sorted(known)})")
@@ -275,11 +290,17 @@ def harness_of(args, names) -> None:
             runs[which].append(run_once(py, env, api, args))
             print(f"round {r + 1} {which}: {runs[which][-1]}", file=sys.stderr, flush=True)
     med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
-    label = {"nixl": "NIXL (UCX)", "plugin": "NIXL FERRY"}
+    label = {"nixl": "NIXL (UCX)", "plugin": "NIXL FERRY", "plugin-nopoll": "FERRY nopoll",
+             "plugin-staging": "FERRY stg", "plugin-staging-nopoll": "stg nopoll"}
+    for n in names:
+        label.setdefault(n, n[-11:])
     first = names[0]
     head = f"{'workload (WRITE, host memory, ' + str(args.inflight) + ' in flight)':<42}"
     head += "".join(f"{label[k]:>12}" for k in names)
-    short = {"nixl": "UCX", "plugin": "FERRY"}
+    short = {"nixl": "UCX", "plugin": "FERRY", "plugin-nopoll": "nopoll",
+             "plugin-staging": "stg", "plugin-staging-nopoll": "stgnp"}
+    for n in names:
+        short.setdefault(n, n[-5:])
     head += "".join(f"{short[k] + '/' + short[first]:>12}" for k in names[1:])
     print(head)
     for wname, _, _ in WORKLOADS:

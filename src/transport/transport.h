@@ -147,6 +147,10 @@ class Transport {
   // (finished false) or returns with it finished. A transport that kept its
   // own thread off the work while a waiter polled hands it back here.
   virtual void stop_polling(const Transfer& /*transfer*/, bool /*finished*/) {}
+  // Called by Engine::test on a small transfer not finished yet: a transport
+  // whose completions the caller's thread can read cheaply does so here. Unlike
+  // progress() it promises no further polls (no lease, no stop_polling()).
+  virtual void test_progress(const Transfer& /*transfer*/) {}
 };
 
 // Self-registration: each transport folder has a small *_plugin.cc that adds

@@ -156,10 +156,19 @@ bool peer_hung_up(int fd) {
 // that took longer than kFreshCheck is made again: the copy starts within
 // kFreshCheck of an answer that said the initiator is still there.
 constexpr auto kFreshCheck = std::chrono::milliseconds(20);
+// One poll of both: the control socket (the initiator shut it down or gave up
+// on us) and the initiator's pidfd (it exited: its EOF follows, and its pid
+// may be reused). A small request's time is mostly system calls.
+bool initiator_gone(const Connection& c) {
+  pollfd p[2] = {{c.fd, POLLRDHUP, 0}, {c.pidfd, POLLIN, 0}};
+  const nfds_t n = c.pidfd >= 0 ? 2 : 1;
+  if (::poll(p, n, 0) <= 0) return false;
+  return (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0 || (n == 2 && p[1].revents != 0);
+}
 bool initiator_still_there(const Connection& c) {
   for (;;) {
     const auto asked = std::chrono::steady_clock::now();
-    if (c.dead.load() || peer_hung_up(c.fd)) return false;
+    if (c.dead.load() || initiator_gone(c)) return false;
     if (std::chrono::steady_clock::now() - asked < kFreshCheck) return true;
   }
 }
@@ -191,7 +200,11 @@ std::vector<std::pair<std::string, uint64_t>> ShmTransport::counters() const {
 std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
   // The initiator is gone, or we gave up on it (cancel timeout, protocol
   // error), or it gave up on us: copy nothing more into or out of its memory.
-  if (c.dead.load() || peer_hung_up(c.fd)) return std::nullopt;
+  // A cross-memory attach copy asks that right before its system call
+  // (initiator_still_there, with the pidfd): asking here too would only cost
+  // a system call more.
+  const bool cma_copy_follows = !request.staged && !request.segments.empty();
+  if (c.dead.load() || (!cma_copy_follows && peer_hung_up(c.fd))) return std::nullopt;
   if (request.cancelled) {
     return err::Cancelled(
         fmt::format("shm: {} {} was cancelled by the initiator before it was served",
@@ -230,7 +243,6 @@ std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
                        fmt::format("shm: {} {}: {}", op_name(request.op), request.id, s.message()));
     }
   } else if (verdict.ok() && !pieces.empty()) {
-    if (process_exited(c.pidfd)) return std::nullopt;  // its EOF follows; the pid may be reused
     size_t failed = 0;
     uint64_t moved = 0;
     const Direction direction = request.op == Op::kWriteReq ? Direction::kPull : Direction::kPush;

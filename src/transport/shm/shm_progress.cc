@@ -42,6 +42,14 @@ void ShmTransport::io_loop() {
   while (!io_stop_.load(std::memory_order_relaxed)) {
     int timeout_ms = -1;
     if (handshaking_ > 0) timeout_ms = ms_left(next_check);
+    // Just served a request: the peer's next small one likely follows as
+    // soon as it has the answer, so poll rather than sleep for a while.
+    if (opt_.busy_poll.count() > 0 &&
+        Clock::now().time_since_epoch().count() -
+                last_request_ticks_.load(std::memory_order_relaxed) <
+            std::chrono::duration_cast<Clock::duration>(opt_.busy_poll).count()) {
+      timeout_ms = 0;
+    }
     const int n = epoll_wait(epfd_, events, 64, timeout_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -60,7 +68,12 @@ void ShmTransport::io_loop() {
         continue;
       }
       auto* c = reinterpret_cast<Connection*>(tag);
-      if (!c->dead.load()) on_readable(*c);
+      {
+        // A waiter may be reading it (progress()): its frames are handled
+        // in order by one reader at a time.
+        std::lock_guard rx(c->rx_mu);
+        if (!c->dead.load()) on_readable(*c);
+      }
       if (c->dead.load()) {
         // Out of the epoll set now; freed only after this batch.
         epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
@@ -77,6 +90,25 @@ void ShmTransport::io_loop() {
     }
     closed.clear();
   }
+}
+
+void ShmTransport::progress(const Transfer& transfer) {
+  if (!opt_.caller_polls || transfer.finished()) return;
+  std::shared_ptr<Connection> c;
+  {
+    std::lock_guard lock(mu_);
+    auto it = primary_.find(transfer.peer());
+    if (it == primary_.end()) return;
+    c = it->second;
+  }
+  // Never waits for the I/O thread: it is reading this socket, and will
+  // hand the answer over itself.
+  std::unique_lock rx(c->rx_mu, std::try_to_lock);
+  if (!rx.owns_lock() || c->dead.load() || c->state != Connection::State::kOpen) return;
+  // The same reading as the I/O thread's: every frame in order, the peer's
+  // requests served too. A closed socket fails the connection here; the I/O
+  // thread then sees it dead and drops it.
+  on_readable(*c);
 }
 
 void ShmTransport::on_accept() {
@@ -207,7 +239,14 @@ Status ShmTransport::on_frame(Connection& c, const FrameHeader& h, ByteView body
     // Small requests are served here: a hand-off to a copy worker costs a
     // thread wake-up, more than copying a few pages. Large ones go to the
     // workers, which copy in parallel.
-    if (request->total_bytes() <= opt_.inline_bytes) {
+    const uint64_t bytes = request->total_bytes();
+    if (bytes <= kBusyPollMaxBytes) {
+      // Small: its initiator likely waits on the answer and sends the next
+      // one soon after. (Larger requests keep no thread polling: their
+      // copies need the cores.)
+      last_request_ticks_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+    }
+    if (bytes <= opt_.inline_bytes) {
       serve_inline(c.shared_from_this(), *request);
     } else {
       submit(Task{c.shared_from_this(), std::move(request.value()), nullptr, {}});

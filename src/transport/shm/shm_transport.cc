@@ -49,6 +49,15 @@ const OptionSpec kShmOptionSpecs[] = {
      "requests of at most this many bytes are served by the I/O thread itself (no hand-off to a "
      "copy thread); larger ones by the copy threads, in parallel",
      0, 1ull << 30},
+    {"shm.busy_poll_us", OptionType::kUint, "50",
+     "after serving a peer's request of at most 64 KiB the I/O thread keeps polling its sockets "
+     "this long before it sleeps, so that the next small request of a peer waiting on its answer "
+     "finds it awake (0: sleep at once)",
+     0, 100000},
+    {"shm.caller_polls", OptionType::kBool, "true",
+     "a caller waiting on (or testing) a transfer of at most 256 KiB reads the connection's "
+     "socket itself, so the answer completes it without a wake-up of the I/O thread (false: "
+     "only the I/O thread reads)"},
     {"shm.copy_threads", OptionType::kUint, "0",
      "threads of the target that check and copy the requests of peers, in parallel: the most "
      "cores a large transfer into or out of this process keeps busy (0: by the CPUs this "
@@ -162,6 +171,8 @@ Status ShmTransport::read_options() {
   if (opt_.copy_threads == 0) opt_.copy_threads = default_copy_threads(usable_cpus());
   opt_.cancel_timeout = std::chrono::milliseconds(o.get_uint("shm.cancel_timeout_ms"));
   opt_.inline_bytes = o.get_uint("shm.inline_bytes");
+  opt_.busy_poll = std::chrono::microseconds(o.get_uint("shm.busy_poll_us"));
+  opt_.caller_polls = o.get_bool("shm.caller_polls");
   opt_.send_timeout = std::chrono::milliseconds(o.get_uint("shm.send_timeout_ms"));
   const std::string& mode = o.get_string("shm.mode");
   if (mode == "auto") {

@@ -32,7 +32,11 @@
 // (4 MiB), which the workers take from one queue: so one transfer is copied
 // by up to shm.copy_threads cores at once, each request still checked whole
 // before any of its bytes move. Small requests (shm.inline_bytes) are served
-// by the I/O thread itself.
+// by the I/O thread itself, which then polls its sockets for shm.busy_poll_us
+// before it sleeps again, so a peer's next small request finds it awake.
+// The answer to a small request is read by the caller's own thread where it
+// waits or tests for it (progress()): it polls the connection's socket, so
+// no thread of the initiator has to be woken to hand the answer over.
 // Initiators (application threads) send requests under the connection's
 // send mutex.
 #pragma once
@@ -72,6 +76,8 @@ struct ShmOptions {
   uint32_t copy_threads = 1;
   std::chrono::milliseconds cancel_timeout{250};
   uint64_t inline_bytes = 256 << 10;
+  std::chrono::microseconds busy_poll{50};
+  bool caller_polls = true;
   std::chrono::milliseconds send_timeout{10000};
   Mode mode = Mode::kAuto;
   uint64_t staging_bytes = 32 << 20;
@@ -88,6 +94,10 @@ constexpr uint32_t kEagerCopyThreads = 4;
 uint32_t default_copy_threads(uint32_t cpus);
 
 constexpr uint64_t kNoRange = ~uint64_t{0};
+
+// Requests of at most this many bytes keep the I/O thread polling for
+// shm.busy_poll_us after them.
+constexpr uint64_t kBusyPollMaxBytes = 64 << 10;
 
 // A request this side sent and awaits the answer of.
 struct Pending {
@@ -181,7 +191,9 @@ struct Connection : std::enable_shared_from_this<Connection> {
   std::unordered_map<uint64_t, Pending> pending;  // request id →
   std::unordered_map<const Transfer*, uint32_t> in_flight;  // for cancel()
 
-  // --- I/O thread only ---
+  // The socket's reader: the I/O thread, or a caller's thread polling for
+  // the answer to its transfer (ShmTransport::progress). Guards what follows.
+  std::mutex rx_mu;
   State state = State::kOpen;
   std::chrono::steady_clock::time_point handshake_deadline{};
   Bytes rx;  // received bytes not yet handled
@@ -236,6 +248,13 @@ class ShmTransport final : public Transport {
   // at most shm.max_request_bytes (no peer can stall it), and every request
   // checks Region::revoked before it copies.
   void release_revoked_regions() override {}
+  // The waiting (or testing) thread reads the transfer's connection itself:
+  // answers are handled at once, with no wake-up of the I/O thread on the
+  // way. Returns at once when another thread is reading it.
+  void progress(const Transfer& transfer) override;
+  void test_progress(const Transfer& transfer) override { progress(transfer); }
+  // Each poll is a recvmsg (about a microsecond): a few pauses between two.
+  uint32_t progress_spins() const override { return 16; }
 
  private:
   // --- set-up ---
@@ -372,6 +391,9 @@ class ShmTransport final : public Transport {
   std::atomic<uint64_t> requests_copied_{0};
   std::atomic<uint32_t> copies_in_flight_{0};
   std::atomic<uint32_t> peak_parallel_copies_{0};
+  // steady_clock ticks when a peer's request was last read: the I/O thread
+  // polls for shm.busy_poll_us after it.
+  std::atomic<int64_t> last_request_ticks_{0};
 };
 
 }  // namespace ferry::shm
