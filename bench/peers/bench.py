@@ -40,6 +40,12 @@ ENGINES = {
     "Ferry 4 copy threads": ("ferry", {"FERRY_SHM_COPY_THREADS": "4"}),
     # shm's shared-memory staging mode, the path taken where cross-memory attach is refused
     "Ferry staging": ("ferry", {"FERRY_SHM_MODE": "staging"}),
+    # shm with its small-request polling off (the waiting caller leaves the socket to
+    # the I/O thread, which sleeps at once): shm as before shm.caller_polls and
+    # shm.busy_poll_us, for an A/B in one run
+    "Ferry nopoll": ("ferry", {"FERRY_SHM_CALLER_POLLS": "false", "FERRY_SHM_BUSY_POLL_US": "0"}),
+    "Ferry staging nopoll": ("ferry", {"FERRY_SHM_MODE": "staging", "FERRY_SHM_CALLER_POLLS": "false",
+                                       "FERRY_SHM_BUSY_POLL_US": "0"}),
     # NIXL's fastest configuration: the initiator without a UCX progress thread
     # (it polls); "progthread": NIXL's default, the initiator keeps one.
     "NIXL": ("nixl", {}),  # UCX picks (cross-memory attach on one host)
@@ -62,8 +68,8 @@ if os.environ.get("PEERS_BASELINE"):
     ENGINES["Ferry tcp baseline"] = ("ferry", {**ENGINES["Ferry tcp"][1], **_base})
     ENGINES["Ferry baseline"] = ("ferry", _base)
 # Run unless --engines names others (the copy-thread variants are asked for).
-DEFAULT_ENGINES = [n for n in ENGINES
-                   if "copy thread" not in n and "8 streams" not in n and "baseline" not in n]
+DEFAULT_ENGINES = [n for n in ENGINES if "copy thread" not in n and "8 streams" not in n
+                   and "baseline" not in n and "nopoll" not in n]
 # Quiet logs for every engine (Mooncake logs each completed batch at INFO).
 QUIET = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "warn"}
 
@@ -98,7 +104,8 @@ RATIOS = [("Ferry", "NIXL"), ("Ferry", "NIXL progthread"), ("Ferry", "Mooncake")
           ("Ferry tcp", "NIXL tcp"), ("Ferry tcp", "NIXL tcp progthread"), ("Ferry tcp", "iperf3"),
           ("Ferry tcp", "Mooncake"), ("Ferry tcp 8 streams", "NIXL tcp"), ("Ferry tcp 8 streams", "iperf3"), ("Ferry staging", "NIXL"), ("Ferry", "memcpy"),
           ("Ferry tcp", "Ferry tcp baseline"), ("Ferry", "Ferry baseline"), ("Ferry tcp baseline", "NIXL tcp"),
-          ("Ferry tcp baseline", "iperf3")]
+          ("Ferry tcp baseline", "iperf3"), ("Ferry", "Ferry nopoll"),
+          ("Ferry staging", "Ferry staging nopoll")]
 
 
 def call_driver(name, args, extra, timeout):
