@@ -78,6 +78,12 @@ uint64_t stripe_chunk(uint64_t chunk, uint64_t total, size_t streams, uint64_t m
   return std::clamp<uint64_t>(share, std::min(min_stripe, chunk), chunk);
 }
 
+// A post's share for one stream from this much payload up is sent by that
+// stream's I/O thread (send_frames). Below it, the wake-up would cost more
+// than the copy it moves off this thread. A transfer of one frame is always
+// sent by the posting thread.
+constexpr uint64_t kHandOffBytes = 512 << 10;
+
 // A traced frame starts onto the socket (called just before the sendmsg
 // carrying its first byte, so that the peer cannot have received it earlier).
 void note_send_start(TxFrame& f) {
@@ -285,11 +291,20 @@ Status TcpTransport::enqueue(Group& group, const std::shared_ptr<Transfer>& tran
 Status TcpTransport::send_frames(Group& group, std::vector<std::unique_ptr<TxFrame>> frames) {
   const size_t n = group.streams.size();
   const uint32_t first = group.next_stream.fetch_add(static_cast<uint32_t>(frames.size()));
-  // Frame k goes to stream (first + k) % n; each stream is locked once.
-  for (size_t i = 0; i < n && i < frames.size(); ++i) {
+  const size_t used = std::min(n, frames.size());
+  // Frame k goes to stream (first + k) % n; each stream is locked once. A
+  // stream whose share carries at least kHandOffBytes of payload is sent by
+  // its own I/O thread, woken here, except the first stream's, which this
+  // thread sends itself, last: the shares are copied into their sockets in
+  // parallel rather than one after the other by this thread.
+  for (size_t step = 1; step <= used; ++step) {
+    const size_t i = step % used;  // the first stream (i == 0) last
     Stream& s = *group.streams[(first + i) % n];
+    uint64_t share = 0;
+    for (size_t k = i; k < frames.size(); k += n) share += frames[k]->header.payload_bytes;
+    const bool hand_off = i != 0 && share >= kHandOffBytes;
     Status error;
-    bool ok;
+    bool ok = true;
     {
       std::lock_guard lock(s.tx_mu);
       if (s.dead) {
@@ -300,9 +315,13 @@ Status TcpTransport::send_frames(Group& group, std::vector<std::unique_ptr<TxFra
         if (frames[k]->pending) s.pending.push_back(frames[k]->pending);
         s.txq.push_back(std::move(frames[k]));
       }
-      ok = flush_locked(s, &error);
+      if (!hand_off) ok = flush_locked(s, &error);
     }
     if (!ok) fail_stream(s, error);
+    if (hand_off) {
+      std::lock_guard g(s.def_mu);  // fail_stream waits on def_mu: the worker is alive
+      if (!s.dead) s.worker->request_flush(s.shared_from_this());
+    }
   }
   return Status::Ok();
 }
