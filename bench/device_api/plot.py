@@ -22,24 +22,26 @@ def main():
     args = ap.parse_args()
     rows = [json.loads(line) for line in open(args.jsonl) if line.strip()]
     rows = [r for r in rows if r.get("bench") == "moe" and r.get("timing") == args.timing]
-    rows.sort(key=lambda r: r["tokens"])
-    tokens = [r["tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label, style in (("dispatch_p50_us", "Ferry dispatch", "o-"),
-                              ("combine_p50_us", "Ferry combine", "s-"),
-                              ("nccl_a2a_p50_us", "NCCL all_to_all_single", "^--"),
-                              ("symm_mem_a2a_p50_us", "torch symm_mem all_to_all_vdev", "v--")):
-        ys = [r.get(key) for r in rows]
-        if all(y is not None and y == y for y in ys):
-            ax.plot(tokens, ys, style, label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens per GPU (bf16, hidden 7,168, top-8, 8 experts per GPU)")
-    ax.set_ylabel("p50 microseconds per call")
-    gpu = rows[0]["gpu"] if rows else ""
-    ax.set_title(f"MoE dispatch/combine vs all-to-all, 2 x {gpu} ({args.timing} timing)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    worlds = sorted({r.get("world", 2) for r in rows})  # one panel per GPU count
+    fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4.5), squeeze=False)
+    for ax, world in zip(axes[0], worlds):
+        mine = sorted((r for r in rows if r.get("world", 2) == world), key=lambda r: r["tokens"])
+        tokens = [r["tokens"] for r in mine]
+        for key, label, style in (("dispatch_p50_us", "Ferry dispatch", "o-"),
+                                  ("combine_p50_us", "Ferry combine", "s-"),
+                                  ("nccl_a2a_p50_us", "NCCL all_to_all_single", "^--"),
+                                  ("symm_mem_a2a_p50_us", "torch symm_mem all_to_all_vdev", "v--")):
+            ys = [r.get(key) for r in mine]
+            if all(y is not None and y == y for y in ys):
+                ax.plot(tokens, ys, style, label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per GPU (bf16, hidden 7,168, top-8, 8 experts per GPU)")
+        ax.set_ylabel("p50 microseconds per call")
+        gpu = mine[0]["gpu"] if mine else ""
+        ax.set_title(f"MoE dispatch/combine vs all-to-all, {world} x {gpu} ({args.timing} timing)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(args.o, dpi=110)
     print(args.o)
