@@ -64,7 +64,10 @@ ENGINES = {
 # this tree's rows to them.
 if os.environ.get("PEERS_BASELINE"):
     _base = {"PYTHONPATH": os.environ["PEERS_BASELINE"],
-             "LD_LIBRARY_PATH": os.path.join(os.environ["PEERS_BASELINE"], "ferry")}
+             # keep the rest of the path: the carried spdlog/fmt of a device machine live there
+             "LD_LIBRARY_PATH": os.pathsep.join(
+                 p for p in (os.path.join(os.environ["PEERS_BASELINE"], "ferry"),
+                             os.environ.get("LD_LIBRARY_PATH", "")) if p)}
     ENGINES["Ferry tcp baseline"] = ("ferry", {**ENGINES["Ferry tcp"][1], **_base})
     ENGINES["Ferry baseline"] = ("ferry", _base)
 # Run unless --engines names others (the copy-thread variants are asked for).

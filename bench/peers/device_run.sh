@@ -10,6 +10,9 @@
 #
 # Here beforehand: bench/device/prepare.sh --nixl (root/, wheels-nixl/) and
 #   (cd .devcarry && mkdir -p debs-iperf && cd debs-iperf && apt-get download iperf3 libiperf0 libsctp1)
+# --place netns needs `ip` (iproute2), which the device machines lack: carry .devcarry/debs-ip too,
+#   (cd .devcarry && mkdir -p debs-ip && cd debs-ip && apt-get download iproute2 libmnl0 libbpf1 \
+#      libelf1 libcap2 libxtables12 libtirpc3 libbsd0 libmd0 libdb5.3)
 # Mooncake has no wheel carried: its rows are NOT RUN there. --place netns (two network
 # namespaces over a veth pair, bench/netns.py) needs root and `ip` there.
 set -uo pipefail
@@ -41,6 +44,13 @@ D=/tmp/peers-iperf
 mkdir -p "$D"
 for d in .devcarry/debs-iperf/*.deb; do [ -f "$d" ] && dpkg -x "$d" "$D"; done
 export PATH=$D/usr/bin:$PATH LD_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH
+if ! command -v ip > /dev/null && ls .devcarry/debs-ip/*.deb > /dev/null 2>&1; then
+  I=/tmp/peers-iproute2
+  mkdir -p "$I"
+  for d in .devcarry/debs-ip/*.deb; do dpkg -x "$d" "$I"; done
+  export PATH=$PATH:$I/bin:$I/sbin:$I/usr/bin:$I/usr/sbin
+  export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$I/lib/x86_64-linux-gnu:$I/usr/lib/x86_64-linux-gnu
+fi
 echo "set up in $((SECONDS - t0)) s"
 
 date=$(date -u +%Y%m%dT%H%M%SZ)
