@@ -9,6 +9,9 @@ the ratio Ferry / NIXL, and --json.
         --ferry-python .venv/bin/python [--rounds 3] [--json out.json]
     python bench/nixl/nixl_api_bench.py --nixl-python ... --systems nixl,plugin \
         --plugin-dir build/nixl_plugins     # NIXL's agent on UCX vs on libplugin_FERRY.so
+    ... --systems nixl,plugin,plugin-nopoll,plugin-staging,plugin-staging-nopoll
+        # the plugin with shm's small-request polling on (default) and off, in both
+        # shm modes; "plugin@FERRY_X=1:FERRY_Y=2" sets any Ferry options for a row
 
 The initiator runs NIXL's fastest configuration: nixl_agent_config(
 enable_prog_thread=False) (it then progresses in the caller's polls); the target
