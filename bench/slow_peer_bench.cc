@@ -15,6 +15,7 @@
 // each creates its own engine; public API only. tcp only: the slow reader is
 // a network peer.
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -48,6 +49,7 @@ struct Options {
   int period_ms = 1000;
   std::string slow_rcvbuf = "128KiB";
   std::string window_text = "64MiB";
+  std::string window_iovs = "262144";
 };
 
 struct Target {
@@ -99,15 +101,16 @@ bool StartTarget(uint64_t bytes, const std::string& rcvbuf, Target* t) {
   const pid_t pid = fork();
   if (pid < 0) return false;
   if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlives the benchmark
     ::close(fds[0]);
     RunTarget(fds[1], bytes, rcvbuf);
   }
   ::close(fds[1]);
+  t->pid = pid;
   std::string text;
   char chunk[4096];
   for (ssize_t n; (n = ::read(fds[0], chunk, sizeof chunk)) > 0;) text.append(chunk, n);
   ::close(fds[0]);
-  t->pid = pid;
   const auto parts = tools::split(tools::trim(text), ' ');
   if (parts.size() != 2) return false;
   auto meta = tools::from_hex(parts[0]);
@@ -219,6 +222,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--period-ms", o.period_ms, "slow peer's stop/continue period");
   app.add_option("--window", o.window_text, "engine.peer_window_bytes of the initiator");
+  app.add_option("--window-iovs", o.window_iovs, "engine.peer_window_iovs of the initiator");
   app.add_option("--slow-rcvbuf", o.slow_rcvbuf,
                  "tcp.rcvbuf of the slow target (what its kernel takes while it is stopped)");
   CLI11_PARSE(app, argc, argv);
@@ -244,6 +248,7 @@ int main(int argc, char** argv) {
   // 100 ms instead of sleeping 10 s in a call (counted in the report).
   c.options = {{"engine.transports", "tcp"},
                {"engine.peer_window_bytes", o.window_text},
+               {"engine.peer_window_iovs", o.window_iovs},
                {"engine.peer_window_wait_ms", "100"}};
   auto made = Engine::create(c);
   if (!made.ok()) {
@@ -267,11 +272,10 @@ int main(int argc, char** argv) {
 
   std::printf(
       "# ferry-slow-peer-bench: %d normal peers, WRITE %s x %d per call, %d in flight each; "
-      "slow peer runs %.1f %% of every %d ms, tcp.rcvbuf=%s; engine.peer_window_bytes=%s; %.1f s "
-      "per rep, %d "
-      "reps per condition, alternating\n",
+      "slow peer runs %.1f %% of every %d ms, tcp.rcvbuf=%s; engine.peer_window_bytes=%s, "
+      "engine.peer_window_iovs=%s; %.1f s per rep, %d reps per condition, alternating\n",
       o.peers, o.block_text.c_str(), o.batch, o.inflight, o.duty * 100, o.period_ms,
-      o.slow_rcvbuf.c_str(), o.window_text.c_str(), o.seconds, o.reps);
+      o.slow_rcvbuf.c_str(), o.window_text.c_str(), o.window_iovs.c_str(), o.seconds, o.reps);
   std::printf("%-4s %-13s %14s %14s %12s %10s %12s\n", "rep", "condition", "normal GB/s",
               "per peer GB/s", "slow MB/s", "slow busy", "RSS max MiB");
 
@@ -312,8 +316,12 @@ int main(int argc, char** argv) {
     if (with_slow) {
       slow_poster.join();
       slow_stop.store(true);
-      duty.join();  // continued: what is queued for it drains now
-      for (TransferId id : slow_ids) (void)e.wait(id, std::chrono::seconds(60));
+      // What is still queued for it is cancelled (without a window that can
+      // be more than it would drain in hours), then the peer is continued.
+      for (TransferId id : slow_ids) (void)e.cancel(id);
+      for (TransferId id : slow_ids) (void)e.test(id);
+      slow_ids.clear();
+      duty.join();
     }
     uint64_t total = 0;
     for (auto& b : bytes) total += b.load();
