@@ -7,7 +7,7 @@
 // rate it would have. The initiator posts to the slow peer without a limit
 // of its own: the engine's per-peer window (engine.peer_window_bytes, set by
 // --window) is all that bounds the work queued for it. Repetitions with and
-// without the slow peer alternate; the report is the median aggregate rate to
+// without the slow peer alternate (ABBA); the report is the median aggregate rate to
 // the normal peers in each, their ratio, the slow peer's drain rate, and the
 // initiator's RSS.
 //
@@ -276,14 +276,16 @@ int main(int argc, char** argv) {
       "engine.peer_window_iovs=%s; %.1f s per rep, %d reps per condition, alternating\n",
       o.peers, o.block_text.c_str(), o.batch, o.inflight, o.duty * 100, o.period_ms,
       o.slow_rcvbuf.c_str(), o.window_text.c_str(), o.window_iovs.c_str(), o.seconds, o.reps);
-  std::printf("%-4s %-13s %14s %14s %12s %10s %12s\n", "rep", "condition", "normal GB/s",
+  std::printf("%-4s %-13s %14s %14s %12s %10s %12s\n", "pair", "condition", "normal GB/s",
               "per peer GB/s", "slow MB/s", "slow busy", "RSS max MiB");
 
-  std::vector<double> with_rates, without_rates, slow_rates, per_peer_without;
+  std::vector<double> with_rates, without_rates, slow_rates, per_peer_without, pair_ratios;
   long rss_max_kib = 0;
   uint64_t errors_total = 0;
   for (int rep = 0; rep < 2 * o.reps; ++rep) {
-    const bool with_slow = (rep % 2) == 1;
+    // ABBA order (without, with, with, without, ...): a drift of the
+    // machine's load over the run favours neither condition.
+    const bool with_slow = ((rep % 2) == 1) != ((rep / 2) % 2 == 1);
     std::atomic<bool> stop{false}, counting{false}, slow_stop{false};
     std::atomic<uint64_t> errors{0}, slow_busy{0}, slow_bytes{0};
     std::vector<std::atomic<uint64_t>> bytes(static_cast<size_t>(o.peers));
@@ -328,6 +330,10 @@ int main(int argc, char** argv) {
     const double rate = total / elapsed / 1e9;
     const double slow_rate = slow_bytes.load() / elapsed / 1e6;
     (with_slow ? with_rates : without_rates).push_back(rate);
+    if (rep % 2 == 1) {  // a pair is complete: its own ratio
+      const double other = with_slow ? without_rates.back() : with_rates.back();
+      pair_ratios.push_back(with_slow ? rate / other : other / rate);
+    }
     if (with_slow) slow_rates.push_back(slow_rate);
     if (!with_slow) per_peer_without.push_back(rate / o.peers);
     rss_max_kib = std::max(rss_max_kib, rss_kib);
@@ -345,6 +351,9 @@ int main(int argc, char** argv) {
       "\nnormal peers, median GB/s: without slow peer %.3f, with slow peer %.3f, ratio "
       "with/without %.3f\n",
       without_m, with_m, without_m > 0 ? with_m / without_m : 0.0);
+  std::printf("ratio with/without of each adjacent pair: median %.3f, min %.3f, max %.3f\n",
+              Median(pair_ratios), *std::min_element(pair_ratios.begin(), pair_ratios.end()),
+              *std::max_element(pair_ratios.begin(), pair_ratios.end()));
   std::printf(
       "slow peer drained %.1f MB/s median = %.2f %% of one normal peer's rate without it "
       "(%.1f MB/s)\n",
