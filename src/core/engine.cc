@@ -13,6 +13,7 @@
 
 #include "core/engine_options.h"
 #include "core/host_identity.h"
+#include "core/log_sink.h"
 #include "core/metadata.h"
 #include "core/options.h"
 #include "core/peer_window.h"
@@ -25,7 +26,6 @@
 #include "ferry/directory.h"
 #include "fmt/format.h"
 #include "fmt/ranges.h"
-#include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "transport/transport.h"
 
@@ -38,20 +38,6 @@ constexpr uint64_t kSpinMaxBytes = 256 << 10;
 
 std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
-}
-
-// spdlog's default logger writes to stdout, which belongs to the application
-// (ferry-bench --json, a user's own output). Log to stderr instead, unless the
-// application installed a logger of its own.
-void log_to_stderr() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    auto current = spdlog::default_logger();
-    if (current && !current->name().empty()) return;  // the application's choice
-    auto logger = spdlog::get("ferry");
-    if (!logger) logger = spdlog::stderr_color_mt("ferry");
-    spdlog::set_default_logger(logger);
-  });
 }
 
 }  // namespace
@@ -802,13 +788,6 @@ std::vector<Notification> Engine::wait_notifications(std::chrono::milliseconds t
     impl_->notify_cv_.wait_for(lock, timeout, [&] { return !impl_->notifications_.empty(); });
   }
   return take_notifications();
-}
-
-std::string_view version() {
-  return kLibraryVersion;
-}
-uint16_t protocol_version() {
-  return kProtocolVersion;
 }
 
 }  // namespace ferry
