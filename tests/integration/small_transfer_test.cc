@@ -125,10 +125,11 @@ TEST_P(SmallTransferTest, WritesAndReadsMoveEveryByte) {
 INSTANTIATE_TEST_SUITE_P(PollSettings, SmallTransferTest,
                          ::testing::Values(PollCase{"true", "50"}, PollCase{"true", "0"},
                                            PollCase{"false", "0"}, PollCase{"false", "2000"}),
-                         [](const ::testing::TestParamInfo<PollCase>& info) {
-                           return std::string(info.param.caller_polls[0] == 't' ? "CallerPolls"
-                                                                                : "IoThread") +
-                                  "_BusyPoll" + info.param.busy_poll_us + "us";
+                         [](const ::testing::TestParamInfo<PollCase>& param_info) {
+                           const PollCase& c = param_info.param;
+                           return std::string(c.caller_polls[0] == 't' ? "CallerPolls"
+                                                                       : "IoThread") +
+                                  "_BusyPoll" + c.busy_poll_us + "us";
                          });
 
 // Several threads wait on and test small transfers over one connection while
