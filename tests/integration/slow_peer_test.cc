@@ -218,7 +218,13 @@ TEST(SlowPeer, StalledPeersCostBoundedMemoryWhileTheCallerKeepsPosting) {
     EXPECT_GT(accepted, 200u);
     for (TransferId id : in_flight) ASSERT_TRUE(e->cancel(id).ok());
   }
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // AddressSanitizer keeps freed memory resident (its quarantine, 256 MiB)
+  // and ThreadSanitizer adds shadow memory: RSS says nothing there.
+  std::printf("RSS bound not checked: built with a sanitizer (its own memory is resident)\n");
+#else
   EXPECT_LT(rss_max, rss_start + 32 * kMiB);
+#endif
 
   write_peer->process().Kill(SIGCONT);
   read_peer->process().Kill(SIGCONT);
