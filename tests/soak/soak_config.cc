@@ -18,6 +18,10 @@ std::map<std::string, std::string> SoakConfig::EngineOptions() const {
     o["shm.mode"] = "staging";
   } else if (transport == "fabric") {
     o["engine.transports"] = "fabric,tcp";
+  } else if (transport == "cuda_ipc") {
+    // cuda_ipc carries the peer's GPU memory; tcp what it does not (the churn
+    // process's host memory).
+    o["engine.transports"] = "cuda_ipc,tcp";
   }
   o["engine.log_level"] = log_level;
   for (const std::string& kv : options) {
@@ -31,7 +35,12 @@ std::string SoakConfig::ExpectedCarrier() const {
   if (transport == "tcp") return "tcp";
   if (transport == "shm-cma" || transport == "shm-staging") return "shm";
   if (transport == "fabric") return "fabric";
+  if (transport == "cuda_ipc") return "cuda_ipc";
   return "";
+}
+
+std::string SoakConfig::Route() const {
+  return memory == "gpu" ? "peer GPU memory" : "host memory";
 }
 
 namespace {
@@ -72,7 +81,12 @@ std::vector<std::string> SoakConfig::ToArgs() const {
                                 "--seed",
                                 std::to_string(seed),
                                 "--log-level",
-                                log_level};
+                                log_level,
+                                "--memory",
+                                memory,
+                                "--gpus",
+                                std::to_string(gpus)};
+  if (gpu_isolate) a.push_back("--gpu-isolate");
   for (const std::string& kv : options) {
     a.push_back("--option");
     a.push_back(kv);
@@ -84,8 +98,18 @@ void AddOptions(CLI::App& app, SoakConfig& c) {
   app.add_option("--processes,-n", c.processes, "engine processes, all-to-all")
       ->check(CLI::Range(2, 64));
   app.add_option("--seconds,-t", c.seconds, "seconds of traffic");
-  app.add_option("--transport", c.transport, "what carries host memory")
-      ->check(CLI::IsMember({"tcp", "shm-cma", "shm-staging", "fabric", "auto"}));
+  app.add_option("--transport", c.transport,
+                 "what carries the soak's memory (cuda_ipc: with --memory gpu only)")
+      ->check(CLI::IsMember({"tcp", "shm-cma", "shm-staging", "fabric", "cuda_ipc", "auto"}));
+  app.add_option("--memory", c.memory,
+                 "every target area, readable region and local buffer is host memory or GPU "
+                 "memory (cudaMalloc; worker i on GPU i % --gpus; checked through a host copy)")
+      ->check(CLI::IsMember({"host", "gpu"}));
+  app.add_option("--gpus", c.gpus,
+                 "GPUs the workers spread over (default: every GPU the coordinator sees)");
+  app.add_flag("--gpu-isolate", c.gpu_isolate,
+               "each worker sees only its own GPU (CUDA_VISIBLE_DEVICES set per worker, as "
+               "serving stacks launch theirs); without it every worker sees every GPU");
   app.add_option("--max-bytes", c.max_bytes,
                  "largest transfer in bytes (sizes are log-uniform from 1)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30));

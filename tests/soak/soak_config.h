@@ -16,7 +16,10 @@ namespace ferry::soak {
 struct SoakConfig {
   int processes = 4;                 // engine processes, all-to-all
   double seconds = 60;               // traffic time (faults stop, then a drain)
-  std::string transport = "tcp";     // tcp, shm-cma, shm-staging, fabric, auto
+  std::string transport = "tcp";     // tcp, shm-cma, shm-staging, fabric, cuda_ipc, auto
+  std::string memory = "host";       // what every area, region and buffer is: host, gpu
+  int gpus = 0;                      // GPUs the workers spread over (the coordinator counts)
+  bool gpu_isolate = false;          // each worker sees only its GPU (CUDA_VISIBLE_DEVICES)
   uint64_t max_bytes = 16ull << 20;  // largest transfer (sum of its iovs)
   uint32_t max_iovs = 4096;          // largest batch
   int slots = 3;                     // slots each source owns in each target's area
@@ -39,8 +42,11 @@ struct SoakConfig {
 
   // Engine options for `transport` plus `options`.
   std::map<std::string, std::string> EngineOptions() const;
-  // The route name peer_transports() must report for host memory ("" for auto).
+  // The transport peer_transports() must name for the soak's memory ("" for auto).
   std::string ExpectedCarrier() const;
+  // The route the soak's transfers take: "host memory", or "peer GPU memory"
+  // (every remote side is GPU memory) with --memory gpu.
+  std::string Route() const;
   // argv tail that gives a child process the same configuration.
   std::vector<std::string> ToArgs() const;
 };

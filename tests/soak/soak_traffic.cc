@@ -37,8 +37,13 @@ class LocalMemory {
   ~LocalMemory() { Release(); }
   void Renew() {
     Release();
-    buffer_ = std::make_unique<Buffer>(size_);
-    auto r = w_.engine().register_memory(buffer_->data(), size_);
+    std::string error;
+    memory_ = SoakMemory::Create(w_.config(), w_.device(), size_, &error);
+    if (!memory_) {
+      w_.CountError("local memory", Status(StatusCode::kInternal, error), false);
+      return;
+    }
+    auto r = w_.engine().register_memory(memory_->data(), size_);
     if (!r.ok()) {
       w_.CountError("register_memory (local)", r.status(), false);
       return;
@@ -46,7 +51,10 @@ class LocalMemory {
     region_ = r->id;
     w_.Count("registrations");
   }
-  uint8_t* data() const { return buffer_->data(); }
+  bool ok() const { return memory_ != nullptr && region_ != 0; }
+  uint8_t* data() const { return memory_->data(); }
+  uint8_t* host() const { return memory_->host(); }
+  SoakMemory& memory() { return *memory_; }
 
  private:
   void Release() {
@@ -57,11 +65,11 @@ class LocalMemory {
       w_.Count("deregistrations");
     }
     region_ = 0;
-    buffer_.reset();
+    memory_.reset();
   }
   Worker& w_;
   uint64_t size_;
-  std::unique_ptr<Buffer> buffer_;
+  std::unique_ptr<SoakMemory> memory_;
   RegionId region_ = 0;
 };
 
@@ -153,9 +161,9 @@ void Worker::TrafficLoop(int thread) {
   std::vector<RemoteIov> r;
   auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
   while (!stopping_) {
-    if (sentinel_len > 0) {
+    if (sentinel_len > 0 && Move(mem.memory(), false, 0, sentinel_len)) {
       // Guarantee 1 of cancel(): nothing lands in a cancelled read's buffer.
-      const uint8_t* p = mem.data();
+      const uint8_t* p = mem.host();
       for (uint64_t i = 0; i < sentinel_len; ++i) {
         if (p[i] != kSentinel) {
           DataError("byte " + std::to_string(i) +
@@ -165,9 +173,13 @@ void Worker::TrafficLoop(int thread) {
           break;
         }
       }
-      sentinel_len = 0;
     }
-    if (++ops % 64 == 0) mem.Renew();
+    sentinel_len = 0;
+    if (++ops % 64 == 0 || !mem.ok()) mem.Renew();
+    if (!mem.ok()) {
+      std::this_thread::sleep_for(100ms);  // counted as an unexpected error already
+      continue;
+    }
     // A peer, connected.
     const int j = std::uniform_int_distribution<int>(0, config_.processes - 1)(rng);
     if (j == index_) continue;
@@ -277,7 +289,17 @@ void Worker::TrafficLoop(int thread) {
     const Mode mode = notify ? Mode::kPlain : PickMode(config_, rng);
     std::string payload;
     if (!read) {
-      for (const Piece& p : pieces) FillPattern(seed, p.remote, mem.data() + p.local, p.length);
+      for (const Piece& p : pieces) FillPattern(seed, p.remote, mem.host() + p.local, p.length);
+      if (!Move(mem.memory(), true, 0, bytes)) {
+        // Nothing posted: the slot keeps what it had, unknown from here.
+        std::lock_guard<std::mutex> lock(mu_);
+        PeerState& p = peers_[j];
+        if (p.incarnation == inc && !p.slots.empty()) {
+          p.slots[slot].busy = false;
+          p.slots[slot].known = false;
+        }
+        continue;
+      }
       if (notify) {
         payload = "W " + std::to_string(index_) + " " + std::to_string(incarnation_) + " " +
                   std::to_string(slot) + " " + std::to_string(s.gen) + " " + std::to_string(seed) +
@@ -328,8 +350,8 @@ void Worker::TrafficLoop(int thread) {
       }
     }
     if (o.status.ok()) {
-      if (read && verify) {
-        if (auto bad = Mismatch(seed, base, mem.data(), pieces)) {
+      if (read && verify && Move(mem.memory(), false, 0, bytes)) {
+        if (auto bad = Mismatch(seed, base, mem.host(), pieces)) {
           DataError(what + ": " + *bad +
                     (slot >= 0 ? " (the slot's last completed write is not what is there; its "
                                  "last writes, oldest first:" +
@@ -347,7 +369,10 @@ void Worker::TrafficLoop(int thread) {
         auto routes = engine_->peer_transports(pid);
         if (routes.ok()) {
           for (const PeerTransportInfo& t : *routes) {
-            if (t.connected && t.carries.find("host memory") != std::string::npos) {
+            // carries: a comma list of routes ("host memory, peer GPU memory").
+            const std::string routes_text = ", " + t.carries + ",";
+            if (t.connected &&
+                routes_text.find(", " + config_.Route() + ",") != std::string::npos) {
               carrier_ = t.transport;
             }
           }
@@ -355,14 +380,14 @@ void Worker::TrafficLoop(int thread) {
         const std::string want = config_.ExpectedCarrier();
         if (!want.empty() && !carrier_.empty() && carrier_ != want) {
           counters_["carrier_mismatch"]++;
-          out_.Write("ERROR host memory goes over " + carrier_ + ", not " + want);
+          out_.Write("ERROR " + config_.Route() + " goes over " + carrier_ + ", not " + want);
         }
       }
     } else if (o.chosen) {
       Count(mode == Mode::kCancel ? "cancelled" : "timed_out");
       if (read) {
-        std::memset(mem.data(), kSentinel, bytes);
-        sentinel_len = bytes;
+        std::memset(mem.host(), kSentinel, bytes);
+        if (Move(mem.memory(), true, 0, bytes)) sentinel_len = bytes;
       }
     } else if (o.status.code() == StatusCode::kNotFound && region.valid && slot < 0) {
       Count("reads_of_deregistered_region");  // deregistered while we read it: expected

@@ -60,6 +60,16 @@ Worker::Worker(const SoakConfig& config, int index, uint32_t incarnation)
 }
 
 bool Worker::Setup() {
+  std::string error;
+  if (config_.memory == "gpu") {
+    // Before the engine starts CUDA in this process (--gpu-isolate sets
+    // CUDA_VISIBLE_DEVICES).
+    device_ = SelectGpu(config_, index_, &error);
+    if (device_ < 0) {
+      std::fprintf(stderr, "soak worker %d: %s\n", index_, error.c_str());
+      return false;
+    }
+  }
   EngineConfig ec;
   ec.options = config_.EngineOptions();
   auto e = Engine::create(ec);
@@ -70,9 +80,17 @@ bool Worker::Setup() {
   }
   engine_ = std::move(e.value());
   const uint64_t area_bytes = ScratchOffset() + config_.max_bytes;
-  area_ = std::make_unique<Buffer>(area_bytes);
-  fixed_ = std::make_unique<Buffer>(config_.max_bytes);
-  FillPattern(StaticSeed(config_, index_, incarnation_), 0, fixed_->data(), config_.max_bytes);
+  area_ = SoakMemory::Create(config_, device_, area_bytes, &error);
+  if (area_) fixed_ = SoakMemory::Create(config_, device_, config_.max_bytes, &error);
+  if (!area_ || !fixed_) {
+    std::fprintf(stderr, "soak worker %d: %s\n", index_, error.c_str());
+    return false;
+  }
+  FillPattern(StaticSeed(config_, index_, incarnation_), 0, fixed_->host(), config_.max_bytes);
+  if (!fixed_->ToMemory(0, config_.max_bytes, &error)) {
+    std::fprintf(stderr, "soak worker %d: %s\n", index_, error.c_str());
+    return false;
+  }
   auto a = engine_->register_memory(area_->data(), area_bytes);
   auto f = engine_->register_memory(fixed_->data(), config_.max_bytes);
   if (!a.ok() || !f.ok()) {
@@ -210,7 +228,8 @@ void Worker::OnWriteNotification(const Notification& n, const std::vector<std::s
     p.seen_gen[k] = gen;
   }
   Count("notifications_received");
-  const uint8_t* at = area_->data() + SlotOffset(s, k);
+  if (!Move(*area_, false, SlotOffset(s, k), bytes)) return;
+  const uint8_t* at = area_->host() + SlotOffset(s, k);
   size_t bad = 0;
   if (!MatchesPattern(cseed, 0, at, bytes, &bad)) {
     uint8_t want = 0;
@@ -257,10 +276,16 @@ void Worker::RotateRegion() {
   OwnRegion r;
   r.gen = ++region_gen_;
   const uint64_t len = LogUniform(rng_, 4096, std::max<uint64_t>(4096, config_.max_bytes / 4));
-  r.buffer = std::make_unique<Buffer>(len);
+  std::string error;
+  r.memory = SoakMemory::Create(config_, device_, len, &error);
+  if (!r.memory) {
+    CountError("region memory", Status(StatusCode::kInternal, error), false);
+    return;
+  }
   const uint64_t seed = RegionSeed(config_, index_, incarnation_, r.gen);
-  FillPattern(seed, 0, r.buffer->data(), len);
-  auto reg = engine_->register_memory(r.buffer->data(), len);
+  FillPattern(seed, 0, r.memory->host(), len);
+  if (!Move(*r.memory, true, 0, len)) return;
+  auto reg = engine_->register_memory(r.memory->data(), len);
   if (!reg.ok()) {
     CountError("register_memory", reg.status(), false);
     return;
@@ -423,6 +448,18 @@ void Worker::Suspicious(int peer, uint32_t incarnation, int64_t posted, const St
   std::lock_guard<std::mutex> lock(mu_);
   suspects_.push_back({peer, incarnation, posted, NowNs(), s.code(), what + ": " + s.to_string()});
   if (peer >= 0 && peers_[peer].incarnation == incarnation) peers_[peer].connected = false;
+}
+
+bool Worker::Move(SoakMemory& m, bool to_memory, uint64_t offset, uint64_t length) {
+  std::string error;
+  if (to_memory ? m.ToMemory(offset, length, &error) : m.FromMemory(offset, length, &error)) {
+    return true;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  counters_["gpu_copy_failed"]++;
+  counters_["unexpected_errors"]++;
+  if (error_lines_++ < 20) out_.Write("ERROR unexpected: " + error);
+  return false;
 }
 
 void Worker::Latency(int64_t ns) {

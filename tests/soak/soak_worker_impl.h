@@ -17,11 +17,10 @@
 #include "ferry/engine.h"
 #include "soak_config.h"
 #include "soak_lines.h"
+#include "soak_memory.h"
 #include "soak_util.h"
 
 namespace ferry::soak {
-
-using itest::Buffer;
 
 // This process's slot in a peer's target area.
 struct Slot {
@@ -82,7 +81,7 @@ struct Suspect {
 // One registered region of ours that peers read.
 struct OwnRegion {
   uint64_t gen = 0;
-  std::unique_ptr<Buffer> buffer;
+  std::unique_ptr<SoakMemory> memory;
   RegionId id = 0;
 };
 
@@ -113,6 +112,9 @@ class Worker {
   void Suspicious(int peer, uint32_t incarnation, int64_t posted, const Status& s,
                   const std::string& what);
   void Latency(int64_t ns);
+  // Moves `m`'s host view to the memory (to_memory) or back; a failed copy
+  // is an unexpected error, counted and reported.
+  bool Move(SoakMemory& m, bool to_memory, uint64_t offset, uint64_t length);
   uint64_t SlotOffset(int source, int slot) const {
     return (static_cast<uint64_t>(source) * config_.slots + slot) * config_.max_bytes;
   }
@@ -120,6 +122,7 @@ class Worker {
     return static_cast<uint64_t>(config_.processes) * config_.slots * config_.max_bytes;
   }
   const SoakConfig& config() const { return config_; }
+  int device() const { return device_; }
   int index() const { return index_; }
   uint32_t incarnation() const { return incarnation_; }
   Engine& engine() { return *engine_; }
@@ -134,8 +137,9 @@ class Worker {
   uint32_t incarnation_;
   LineWriter out_;
   std::unique_ptr<Engine> engine_;
-  std::unique_ptr<Buffer> area_;   // the target area (slots of every source, then scratch)
-  std::unique_ptr<Buffer> fixed_;  // the static region
+  int device_ = -1;                    // our GPU (--memory gpu)
+  std::unique_ptr<SoakMemory> area_;   // the target area (slots of every source, then scratch)
+  std::unique_ptr<SoakMemory> fixed_;  // the static region
   RegionId area_id_ = 0, fixed_id_ = 0;
   std::deque<OwnRegion> regions_;
   uint64_t region_gen_ = 0;
