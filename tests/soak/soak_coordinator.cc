@@ -442,7 +442,9 @@ int Coordinator::Run() {
     procs_.push_back(std::move(p));
   }
   for (auto& p : procs_) {
-    if (!Spawn(*p)) return 2;
+    if (Spawn(*p)) continue;
+    for (auto& q : procs_) Reap(*q, true);
+    return 2;
   }
   // Everyone ready, then everyone told about everyone.
   const int64_t ready_by = NowNs() + 60'000'000'000;
@@ -454,6 +456,8 @@ int Coordinator::Run() {
     if (all) break;
     if (NowNs() > ready_by || crashes_ > 0) {
       std::fprintf(stderr, "ferry-soak: the processes did not start\n");
+      // Their reader threads end before the threads' objects do.
+      for (auto& p : procs_) Reap(*p, true);
       return 2;
     }
   }
