@@ -7,7 +7,11 @@ MoE spreads experts over 4-8 GPUs, so run it with --world 4 where 4 exist).
 Workload: bf16, hidden 7,168, top-8, 8 experts per GPU, 1 / 128 / 512 / 4,096
 tokens per GPU, random routing (8 distinct experts per token). Bytes per GPU
 per call: tokens x 8 x 7,168 x 2 (each (token, expert) copy; the copies that
-stay on the GPU included, for Ferry and the references alike).
+stay on the GPU included, for Ferry and the references alike) -- what the
+all-to-alls move. Ferry's dispatch sends each token over NVLink once per
+member holding any of its experts and copies it to the experts there; its
+combine returns one summed row per (token, member): the same result in fewer
+NVLink bytes, which is the point of the comparison.
 
 Two timings per system and size, the systems taking turns per size:
   stream:  the GPU time of each call in a stream of --iters calls enqueued
@@ -105,8 +109,8 @@ def worker(rank, world, port, args, queue):
             topk = scores.argsort(dim=1)[:, :TOP_K].contiguous().to(torch.int64)
             w = torch.rand((t, TOP_K), generator=gen, device=dev)
             out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
-            ferry_calls = [lambda: moe.dispatch(x, topk),
-                           lambda: moe.combine(moe.recv_x, topk, w, out=out)]
+            ferry_calls = [lambda: moe.dispatch(x, topk, w),
+                           lambda: moe.combine(moe.recv_x, out=out)]
             inp = torch.randn((t * TOP_K, HIDDEN), device=dev).to(torch.bfloat16)
             outp = torch.empty_like(inp)
             nccl_calls = [lambda: dist.all_to_all_single(outp, inp)]

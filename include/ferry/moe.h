@@ -4,23 +4,26 @@
 // Every member holds `experts_per_rank` experts; global expert e lives on
 // member e / experts_per_rank. Per call a member has up to `max_tokens` tokens
 // of `hidden` bf16 values and routes each to `top_k` global experts
-// (topk_idx: int64, -1 = no expert).
+// (topk_idx: int64, -1 = no expert) with weights (topk_weights: float32).
 //
-//  dispatch: every (token, k) copy of a token goes straight into the expert's
-//    member's receive buffer, recv_x[local expert][source member][slot][hidden]
-//    (slot: arrival order, not token order), its token index into
-//    recv_src[...][slot]; the count per (local expert, source) is signalled
-//    (release, system scope) after the data and lands in recv_count()
-//    [local expert][source] (int32). One kernel; returns when this member has
-//    received every count.
-//  combine: the expert outputs y, laid out like recv_x, go back to the members
-//    the tokens came from, which sum them weighted by topk_weights (float32,
-//    accumulated in fp32) into out[token][hidden] (bf16). Contributions from this
-//    member's own experts are read in place, never copied.
+//  dispatch: each token crosses NVLink once per member that holds any of its
+//    experts (not once per expert), with the list of that member's experts it
+//    chose and their weights; the receiving member copies it into each of
+//    those experts' receive rows, recv_x[local expert][source member][slot]
+//    [hidden] (slot: arrival order, not token order), and the token's index
+//    into recv_src[...][slot]. recv_count()[local expert][source] (int32) has
+//    the rows of each block. One kernel; returns when this member has every
+//    row.
+//  combine: the expert outputs y, laid out like recv_x, are summed where they
+//    are: each member returns to each source one row per token it served, the
+//    fp32 sum of weight x row over its experts the token chose, rounded to
+//    bf16; the source adds those rows and its own experts' weighted rows in
+//    fp32 into out[token][hidden] (bf16). The weights are the dispatch's.
 //
 // Calls alternate dispatch, combine, dispatch, ... on one stream per member
 // (the combine of a round is what tells a member that its peers are done with
-// its previous dispatch's data); each member makes the same calls.
+// its previous dispatch's data); each member makes the same calls. A
+// SymmetricMemory carries one MoeExchange for its whole life.
 #pragma once
 
 #include <cstdint>
@@ -44,9 +47,12 @@ struct MoeConfig {
 struct MoeLayout {
   uint64_t recv_x_offset = 0;    // bf16 [experts_per_rank][size * max_tokens][hidden]
   uint64_t recv_src_offset = 0;  // int32 [experts_per_rank][size * max_tokens]
-  uint64_t combine_offset = 0;   // bf16 [size * experts_per_rank][max_tokens][hidden]
+  uint64_t stage_offset = 0;     // bf16 [size][max_tokens][hidden]: tokens as they arrive
+  uint64_t meta_offset = 0;      // int4 [size][max_tokens][1 + top_k]: where each goes
+  uint64_t counts_offset = 0;    // int32 [2][size][experts_per_rank]
+  uint64_t partial_offset = 0;   // bf16 [size][max_tokens][hidden]: combine's returned sums
   uint64_t data_bytes = 0;
-  uint32_t signal_slots = 0;  // 2 sets of counts per (expert, source), a flag per global expert
+  uint32_t signal_slots = 0;  // 2 sets of one per source (dispatch), one per member (combine)
 };
 Result<MoeLayout> moe_layout(const MoeConfig& config, int members);
 
@@ -59,15 +65,18 @@ class MoeExchange {
   MoeExchange(const MoeExchange&) = delete;
   MoeExchange& operator=(const MoeExchange&) = delete;
 
-  // x: bf16 [num_tokens][hidden], topk_idx: int64 [num_tokens][top_k] (device
-  // memory of this member's GPU). num_tokens in [0, max_tokens].
-  Status dispatch(const void* x, const int64_t* topk_idx, int num_tokens, void* stream);
+  // x: bf16 [num_tokens][hidden], topk_idx: int64 [num_tokens][top_k],
+  // topk_weights: float32 [num_tokens][top_k] (device memory of this member's
+  // GPU; the weights travel with the tokens and combine uses them).
+  // num_tokens in [0, max_tokens].
+  Status dispatch(const void* x, const int64_t* topk_idx, const float* topk_weights, int num_tokens,
+                  void* stream);
   // y: bf16 [experts_per_rank][size * max_tokens][hidden], rows as recv_x (only
   // the first recv_count rows of each (expert, source) block are read);
-  // topk_idx and topk_weights (float32 [num_tokens][top_k]) those of the
-  // dispatch before; out: bf16 [num_tokens][hidden].
-  Status combine(const void* y, const int64_t* topk_idx, const float* topk_weights, int num_tokens,
-                 void* out, void* stream);
+  // out: bf16 [tokens of the dispatch before][hidden].
+  Status combine(const void* y, void* out, void* stream);
+  // The tokens of the last dispatch (combine's out has this many rows).
+  int dispatched_tokens() const;
 
   const MoeConfig& config() const;
   const MoeLayout& layout() const;

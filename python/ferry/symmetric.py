@@ -15,8 +15,8 @@ Triton kernels through ``peer_pointers``)::
 
     moe = MoeExchange(max_tokens=4096, hidden=7168, top_k=8, experts_per_rank=8,
                       rank=dist.get_rank(), size=dist.get_world_size())
-    recv_x, recv_count, recv_src = moe.dispatch(x, topk_idx)   # bf16 [E, size*T, H], ...
-    out = moe.combine(expert_outputs, topk_idx, topk_weights)  # bf16 [T, H]
+    recv_x, recv_count, recv_src = moe.dispatch(x, topk_idx, topk_weights)  # bf16 [E, size*T, H]
+    out = moe.combine(expert_outputs)                          # bf16 [T, H]
 
 Every call is ordered on the current torch stream (or ``stream=``) of the
 member's GPU and returns without waiting. See docs/device_api.md.
@@ -212,13 +212,9 @@ class MoeExchange:
         self.recv_src = self.memory.view(torch.int32, (E, W * T), layout["recv_src_offset"])
         self.recv_count = torch.utils.dlpack.from_dlpack(self._native._recv_count_dlpack())
 
-    def _check_routing(self, topk_idx, num_tokens: int) -> None:
-        torch = _torch()
-        _check_cuda_tensor(topk_idx, "topk_idx", self.device, torch.int64,
-                           (num_tokens, self.top_k))
-
-    def dispatch(self, x, topk_idx, *, stream=None) -> Tuple[object, object, object]:
-        """x: bf16 [T, hidden]; topk_idx: int64 [T, top_k] (-1: none), T <= max_tokens.
+    def dispatch(self, x, topk_idx, topk_weights, *, stream=None) -> Tuple[object, object, object]:
+        """x: bf16 [T, hidden]; topk_idx: int64 [T, top_k] (-1: none); topk_weights:
+        float32 [T, top_k] (travel with the tokens; combine uses them); T <= max_tokens.
 
         Returns (recv_x bf16 [experts_per_rank, size * max_tokens, hidden],
         recv_count int32 [experts_per_rank, size], recv_src int32
@@ -233,25 +229,25 @@ class MoeExchange:
             raise InvalidArgument(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
         T = x.shape[0]
         _check_cuda_tensor(x, "x", self.device, torch.bfloat16, (T, self.hidden))
-        self._check_routing(topk_idx, T)
-        self._native.dispatch(x.data_ptr(), topk_idx.data_ptr(), T,
+        _check_cuda_tensor(topk_idx, "topk_idx", self.device, torch.int64, (T, self.top_k))
+        _check_cuda_tensor(topk_weights, "topk_weights", self.device, torch.float32,
+                           (T, self.top_k))
+        self._native.dispatch(x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), T,
                               _stream_handle(stream, self.device))
         return self.recv_x, self.recv_count, self.recv_src
 
-    def combine(self, y, topk_idx, topk_weights, *, out=None, stream=None):
-        """y: bf16 like recv_x (the experts' outputs); topk_idx/topk_weights (float32
-        [T, top_k]) as in the dispatch before. Returns out: bf16 [T, hidden], the
-        fp32-accumulated weighted sum of each token's expert outputs."""
+    def combine(self, y, *, out=None, stream=None):
+        """y: bf16 like recv_x (the experts' outputs for the dispatch before).
+        Returns out: bf16 [T, hidden] (T: that dispatch's tokens), each token's
+        sum of weight x expert output over its choices: every member sums its
+        own experts' rows in fp32 and returns one bf16 row per token; the source
+        adds those and its own experts' rows in fp32."""
         torch = _torch()
-        T = topk_idx.shape[0]
+        T = self._native.dispatched_tokens
         _check_cuda_tensor(y, "y", self.device, torch.bfloat16, tuple(self.recv_x.shape))
-        self._check_routing(topk_idx, T)
-        _check_cuda_tensor(topk_weights, "topk_weights", self.device, torch.float32,
-                           (T, self.top_k))
         if out is None:
             out = torch.empty((T, self.hidden), dtype=torch.bfloat16,
                               device=f"cuda:{self.device}")
         _check_cuda_tensor(out, "out", self.device, torch.bfloat16, (T, self.hidden))
-        self._native.combine(y.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), T,
-                             out.data_ptr(), _stream_handle(stream, self.device))
+        self._native.combine(y.data_ptr(), out.data_ptr(), _stream_handle(stream, self.device))
         return out

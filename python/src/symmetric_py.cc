@@ -162,7 +162,10 @@ nb::dict layout_dict(const ferry::MoeLayout& l) {
   nb::dict d;
   d["recv_x_offset"] = l.recv_x_offset;
   d["recv_src_offset"] = l.recv_src_offset;
-  d["combine_offset"] = l.combine_offset;
+  d["stage_offset"] = l.stage_offset;
+  d["meta_offset"] = l.meta_offset;
+  d["counts_offset"] = l.counts_offset;
+  d["partial_offset"] = l.partial_offset;
   d["data_bytes"] = l.data_bytes;
   d["signal_slots"] = l.signal_slots;
   return d;
@@ -269,20 +272,21 @@ void bind_symmetric(nb::module_& m) {
            "top_k"_a, "experts_per_rank"_a, "sm_count"_a)
       .def(
           "dispatch",
-          [](PyMoeExchange& e, uint64_t x, uint64_t topk_idx, int num_tokens, uint64_t stream) {
+          [](PyMoeExchange& e, uint64_t x, uint64_t topk_idx, uint64_t weights, int num_tokens,
+             uint64_t stream) {
             check(e.moe->dispatch(as_ptr(x), static_cast<const int64_t*>(as_ptr(topk_idx)),
-                                  num_tokens, as_ptr(stream)));
+                                  static_cast<const float*>(as_ptr(weights)), num_tokens,
+                                  as_ptr(stream)));
           },
-          "x"_a, "topk_idx"_a, "num_tokens"_a, "stream"_a)
+          "x"_a, "topk_idx"_a, "topk_weights"_a, "num_tokens"_a, "stream"_a)
       .def(
           "combine",
-          [](PyMoeExchange& e, uint64_t y, uint64_t topk_idx, uint64_t weights, int num_tokens,
-             uint64_t out, uint64_t stream) {
-            check(e.moe->combine(as_ptr(y), static_cast<const int64_t*>(as_ptr(topk_idx)),
-                                 static_cast<const float*>(as_ptr(weights)), num_tokens,
-                                 as_ptr(out), as_ptr(stream)));
+          [](PyMoeExchange& e, uint64_t y, uint64_t out, uint64_t stream) {
+            check(e.moe->combine(as_ptr(y), as_ptr(out), as_ptr(stream)));
           },
-          "y"_a, "topk_idx"_a, "topk_weights"_a, "num_tokens"_a, "out"_a, "stream"_a)
+          "y"_a, "out"_a, "stream"_a)
+      .def_prop_ro("dispatched_tokens",
+                   [](const PyMoeExchange& e) { return e.moe->dispatched_tokens(); })
       .def_prop_ro("layout", [](const PyMoeExchange& e) { return layout_dict(e.moe->layout()); })
       .def("_recv_count_dlpack", [](nb::handle self) {
         auto& e = nb::cast<PyMoeExchange&>(self);

@@ -19,7 +19,10 @@ uint64_t align_up(uint64_t v, uint64_t a) {
 }
 
 Status check_config(const MoeConfig& c, int members) {
-  if (members < 1) return err::InvalidArgument(fmt::format("moe: {} members", members));
+  if (members < 1 || members > 32) {
+    return err::InvalidArgument(
+        fmt::format("moe: {} members, must be in [1, 32] (one bit per member)", members));
+  }
   if (c.max_tokens < 1) {
     return err::InvalidArgument(fmt::format("moe: max_tokens is {}, must be >= 1", c.max_tokens));
   }
@@ -50,12 +53,16 @@ Result<MoeLayout> moe_layout(const MoeConfig& c, int members) {
   if (Status s = check_config(c, members); !s.ok()) return s;
   const uint64_t E = static_cast<uint64_t>(c.experts_per_rank), W = static_cast<uint64_t>(members);
   const uint64_t T = static_cast<uint64_t>(c.max_tokens), H = static_cast<uint64_t>(c.hidden);
+  const uint64_t K = static_cast<uint64_t>(c.top_k);
   MoeLayout l;
   l.recv_x_offset = 0;
   l.recv_src_offset = align_up(E * W * T * H * 2, 256);
-  l.combine_offset = align_up(l.recv_src_offset + E * W * T * 4, 256);
-  l.data_bytes = l.combine_offset + W * E * T * H * 2;
-  l.signal_slots = static_cast<uint32_t>(2 * E * W + W * E);
+  l.stage_offset = align_up(l.recv_src_offset + E * W * T * 4, 256);
+  l.meta_offset = align_up(l.stage_offset + W * T * H * 2, 256);
+  l.counts_offset = align_up(l.meta_offset + W * T * (1 + K) * 16, 256);
+  l.partial_offset = align_up(l.counts_offset + 2 * W * E * 4, 256);
+  l.data_bytes = l.partial_offset + W * T * H * 2;
+  l.signal_slots = static_cast<uint32_t>(3 * W);
   return l;
 }
 
@@ -68,10 +75,12 @@ struct MoeExchange::Impl {
   int32_t* slot_counter = nullptr;
   unsigned long long* slot_of = nullptr;
   int32_t* recv_count = nullptr;
-  unsigned long long* dispatch_done = nullptr;
-  unsigned long long* combine_done = nullptr;
+  int32_t* tokens_from = nullptr;
+  uint32_t* remote_members = nullptr;
+  unsigned int* units_done = nullptr;
   uint64_t dispatch_round = 0;
   uint64_t combine_round = 0;
+  int dispatched_tokens = 0;
 
   ~Impl() {
     if (workspace != nullptr) {
@@ -81,7 +90,7 @@ struct MoeExchange::Impl {
     }
   }
 
-  symmetric::MoeKernelArgs args(const int64_t* topk_idx, int num_tokens) const {
+  symmetric::MoeKernelArgs args(int num_tokens) const {
     symmetric::MoeKernelArgs a{};
     a.team = memory->team();
     a.num_tokens = num_tokens;
@@ -91,13 +100,18 @@ struct MoeExchange::Impl {
     a.max_tokens = config.max_tokens;
     a.recv_x_offset = layout.recv_x_offset;
     a.recv_src_offset = layout.recv_src_offset;
-    a.combine_offset = layout.combine_offset;
-    a.count_slot = 0;
-    a.flag_slot = static_cast<uint32_t>(2 * config.experts_per_rank * memory->size());
-    a.topk_idx = topk_idx;
+    a.stage_offset = layout.stage_offset;
+    a.meta_offset = layout.meta_offset;
+    a.counts_offset = layout.counts_offset;
+    a.partial_offset = layout.partial_offset;
+    a.dispatch_slot = 0;
+    a.combine_slot = static_cast<uint32_t>(2 * memory->size());
     a.slot_counter = slot_counter;
     a.slot_of = slot_of;
     a.recv_count = recv_count;
+    a.tokens_from = tokens_from;
+    a.remote_members = remote_members;
+    a.units_done = units_done;
     return a;
   }
 
@@ -136,10 +150,12 @@ Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory& memory
     return cuda_status(e, "moe: cudaDeviceGetAttribute(multiprocessor count)");
   }
   impl->blocks = config.sm_count == 0 ? sms : std::min(config.sm_count, sms);
-  const uint64_t experts = static_cast<uint64_t>(memory.size()) * config.experts_per_rank;
+  // Workspace: a count word, then 8-byte words, then 4-byte words.
+  const uint64_t W = static_cast<uint64_t>(memory.size());
+  const uint64_t experts = W * config.experts_per_rank;
   const uint64_t slot_of = static_cast<uint64_t>(config.max_tokens) * config.top_k;
-  const uint64_t recv = static_cast<uint64_t>(config.experts_per_rank) * memory.size();
-  const uint64_t bytes = 16 + 8 * slot_of + 4 * (experts + recv) + 16;
+  const uint64_t bytes =
+      16 + 8 * slot_of + 4 * (experts + experts + W + static_cast<uint64_t>(config.max_tokens));
   if (cudaError_t e = cudaMalloc(&impl->workspace, bytes); e != cudaSuccess) {
     cudaGetLastError();
     return cuda_status(e, "moe: cudaMalloc(workspace)");
@@ -149,11 +165,12 @@ Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory& memory
     return cuda_status(e, "moe: cudaMemset(workspace)");
   }
   auto* base = static_cast<uint8_t*>(impl->workspace);
-  impl->dispatch_done = reinterpret_cast<unsigned long long*>(base);
-  impl->combine_done = reinterpret_cast<unsigned long long*>(base + 8);
+  impl->units_done = reinterpret_cast<unsigned int*>(base);
   impl->slot_of = reinterpret_cast<unsigned long long*>(base + 16);
   impl->slot_counter = reinterpret_cast<int32_t*>(impl->slot_of + slot_of);
   impl->recv_count = impl->slot_counter + experts;
+  impl->tokens_from = impl->recv_count + experts;
+  impl->remote_members = reinterpret_cast<uint32_t*>(impl->tokens_from + W);
   if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
     cudaGetLastError();
     return cuda_status(e, "moe: cudaDeviceSynchronize");
@@ -161,43 +178,60 @@ Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory& memory
   return std::unique_ptr<MoeExchange>(new MoeExchange(std::move(impl)));
 }
 
-Status MoeExchange::dispatch(const void* x, const int64_t* topk_idx, int num_tokens, void* stream) {
+Status MoeExchange::dispatch(const void* x, const int64_t* topk_idx, const float* topk_weights,
+                             int num_tokens, void* stream) {
   Impl& m = *impl_;
   if (Status s = m.check_tokens(num_tokens); !s.ok()) return s;
-  if (num_tokens > 0 && (x == nullptr || topk_idx == nullptr)) {
-    return err::InvalidArgument("moe: dispatch of tokens without x or topk_idx");
+  if (num_tokens > 0 && (x == nullptr || topk_idx == nullptr || topk_weights == nullptr)) {
+    return err::InvalidArgument("moe: dispatch of tokens without x, topk_idx or topk_weights");
   }
-  symmetric::MoeKernelArgs a = m.args(topk_idx, num_tokens);
+  if (m.combine_round != m.dispatch_round) {
+    return err::InvalidArgument(
+        "moe: dispatch() after a dispatch() without its combine() (calls alternate)");
+  }
+  symmetric::MoeKernelArgs a = m.args(num_tokens);
   a.x = x;
-  a.round = ++m.dispatch_round;
-  a.blocks_done = m.dispatch_done;
-  a.blocks_done_target = static_cast<unsigned long long>(a.round) * m.blocks;
+  a.topk_idx = topk_idx;
+  a.topk_weights = topk_weights;
+  a.round = m.dispatch_round + 1;
   cuda::DeviceGuard guard(m.memory->device());
-  return cuda_status(symmetric::launch_dispatch(a, m.blocks, static_cast<cudaStream_t>(stream)),
-                     "moe: dispatch kernel launch");
+  if (Status s =
+          cuda_status(symmetric::launch_dispatch(a, m.blocks, static_cast<cudaStream_t>(stream)),
+                      "moe: dispatch kernel launch");
+      !s.ok()) {
+    return s;
+  }
+  m.dispatch_round = a.round;
+  m.dispatched_tokens = num_tokens;
+  return Status::Ok();
 }
 
-Status MoeExchange::combine(const void* y, const int64_t* topk_idx, const float* topk_weights,
-                            int num_tokens, void* out, void* stream) {
+Status MoeExchange::combine(const void* y, void* out, void* stream) {
   Impl& m = *impl_;
-  if (Status s = m.check_tokens(num_tokens); !s.ok()) return s;
   if (m.combine_round >= m.dispatch_round) {
     return err::InvalidArgument("moe: combine() needs a dispatch() before it");
   }
   if (y == nullptr) return err::InvalidArgument("moe: combine without y");
-  if (num_tokens > 0 && (topk_idx == nullptr || topk_weights == nullptr || out == nullptr)) {
-    return err::InvalidArgument("moe: combine of tokens without topk_idx, topk_weights or out");
+  if (m.dispatched_tokens > 0 && out == nullptr) {
+    return err::InvalidArgument("moe: combine of tokens without out");
   }
-  symmetric::MoeKernelArgs a = m.args(topk_idx, num_tokens);
+  symmetric::MoeKernelArgs a = m.args(m.dispatched_tokens);
   a.y = y;
-  a.topk_weights = topk_weights;
   a.out = out;
-  a.round = ++m.combine_round;
-  a.blocks_done = m.combine_done;
-  a.blocks_done_target = static_cast<unsigned long long>(a.round) * m.blocks;
+  a.round = m.dispatch_round;
   cuda::DeviceGuard guard(m.memory->device());
-  return cuda_status(symmetric::launch_combine(a, m.blocks, static_cast<cudaStream_t>(stream)),
-                     "moe: combine kernel launch");
+  if (Status s =
+          cuda_status(symmetric::launch_combine(a, m.blocks, static_cast<cudaStream_t>(stream)),
+                      "moe: combine kernel launch");
+      !s.ok()) {
+    return s;
+  }
+  m.combine_round = a.round;
+  return Status::Ok();
+}
+
+int MoeExchange::dispatched_tokens() const {
+  return impl_->dispatched_tokens;
 }
 
 const MoeConfig& MoeExchange::config() const {

@@ -1,5 +1,18 @@
-// The dispatch and combine kernels of MoeExchange (moe_kernels.cu) and what
-// they take. CUDA C++17: no ferry/status.h here.
+// The dispatch and combine kernels of MoeExchange (moe_dispatch.cu,
+// moe_combine.cu) and what they take. CUDA C++17: no ferry/status.h here.
+//
+// Layout of every member's symmetric data area (offsets in MoeKernelArgs; E
+// local experts, W members, T max tokens, H hidden, K top-k):
+//   recv_x   bf16  [E][W * T][H]  rows of (local expert, source), arrival order
+//   recv_src int32 [E][W * T]     each row's token index at its source
+//   stage    bf16  [W][T][H]      token t of source s, sent once per member
+//   meta     int4  [W][T][1 + K]  token t of source s: a header {round, n, 0, 0}
+//                                 and n entries {local expert, slot, weight bits, 0}
+//   counts   int32 [2][W][E]      rows per (source, local expert), two sets by
+//                                 dispatch round parity
+//   partial  bf16  [W][T][H]      combine: member d's weighted sum for token t
+// Signal slots: [2][W] dispatch (parity, source; value round << 32 | tokens),
+// then [W] combine (from member d; value round).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,37 +24,42 @@ namespace ferry::symmetric {
 
 struct MoeKernelArgs {
   DeviceTeam team;
-  int num_tokens;
-  int hidden;  // bf16 values per row
+  int num_tokens;  // this member's tokens of this round
+  int hidden;      // bf16 values per row
   int top_k;
   int experts_per_rank;
   int max_tokens;
   uint64_t recv_x_offset;  // in every member's data area
   uint64_t recv_src_offset;
-  uint64_t combine_offset;
-  uint32_t count_slot;  // first of 2 x experts_per_rank x size count slots
-  uint32_t flag_slot;   // first of size x experts_per_rank combine flags
-  const int64_t* topk_idx;
+  uint64_t stage_offset;
+  uint64_t meta_offset;
+  uint64_t counts_offset;
+  uint64_t partial_offset;
+  uint32_t dispatch_slot;  // first of 2 x size dispatch slots
+  uint32_t combine_slot;   // first of size combine slots
+  uint64_t round;          // 1, 2, ...: the dispatch's number; its combine has the same
   // Workspace, local to this member.
-  int32_t* slot_counter;  // [global experts], zero between calls
-  // [max_tokens * top_k]: round << 32 | the slot each (token, k) got this round
-  unsigned long long* slot_of;
-  int32_t* recv_count;              // [experts_per_rank * size]
-  unsigned long long* blocks_done;  // monotonic; a block adds 1 when its sends are out
-  uint64_t round;  // 1, 2, ...: this call's number (dispatch and combine count apart)
-  unsigned long long blocks_done_target;
+  int32_t* slot_counter;        // [size * experts_per_rank], zero between calls
+  unsigned long long* slot_of;  // [max_tokens * top_k]: round << 32 | slot, for split rows
+  int32_t* recv_count;          // [experts_per_rank * size]
+  int32_t* tokens_from;         // [size]: each source's tokens in the last dispatch
+  uint32_t* remote_members;     // [max_tokens]: bit d: token t has experts on member d != me
+  unsigned int* units_done;     // zero between calls; the last unit's warp resets it
   // dispatch
   const void* x;
+  const int64_t* topk_idx;
+  const float* topk_weights;
   // combine
   const void* y;
-  const float* topk_weights;
   void* out;
 };
 
 cudaError_t launch_dispatch(const MoeKernelArgs& args, int blocks, cudaStream_t stream);
 cudaError_t launch_combine(const MoeKernelArgs& args, int blocks, cudaStream_t stream);
 constexpr int kMoeThreadsPerBlock = 512;
-// Loads both kernels now (see preload_kernels in symmetric_kernels.h).
-cudaError_t preload_moe_kernels();
+// Load the kernels now (see preload_kernels in symmetric_kernels.h).
+cudaError_t preload_dispatch_kernel();
+cudaError_t preload_combine_kernel();
+cudaError_t preload_moe_kernels();  // both
 
 }  // namespace ferry::symmetric

@@ -96,11 +96,14 @@ MoeExchange::~MoeExchange() = default;
 Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory&, const MoeConfig&) {
   return unavailable();
 }
-Status MoeExchange::dispatch(const void*, const int64_t*, int, void*) {
+Status MoeExchange::dispatch(const void*, const int64_t*, const float*, int, void*) {
   return unavailable();
 }
-Status MoeExchange::combine(const void*, const int64_t*, const float*, int, void*, void*) {
+Status MoeExchange::combine(const void*, void*, void*) {
   return unavailable();
+}
+int MoeExchange::dispatched_tokens() const {
+  return 0;
 }
 const MoeConfig& MoeExchange::config() const {
   return impl_->config;

@@ -1,0 +1,134 @@
+// MoE combine as one kernel: each member returns one row per token it served,
+// the weighted sum of its own experts' outputs for that token, not one row
+// per expert.
+//
+//  1. expert side: warps take (source, token, chunk). The meta record the
+//     dispatch left for (source, token) names this member's rows of the
+//     token and their weights; the warp reads each once, sums weight x row in
+//     fp32 and stores the sum, rounded to bf16, into the source's partial row
+//     for (this member, token) over NVLink.
+//  2. the warp that finishes the last unit signals every other member (release,
+//     system scope; value round).
+//  3. source side: warps take (token, chunk) of this member's tokens, wait for
+//     the members the token chose (acquire), and write
+//       out = sum of weight x row over this member's own experts (read in
+//             place from y) + the other members' partial rows
+//     accumulated in fp32, rounded to bf16 once. Every row is read once.
+#include "symmetric/moe_device.cuh"
+
+namespace ferry::symmetric {
+namespace {
+
+using moe::kFullMask;
+
+__global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKernelArgs a) {
+  const DeviceTeam& team = a.team;
+  const moe::Grid g = moe::grid();
+  const moe::Layout at{&a};
+  const int lane = g.lane;
+  const int W = team.size, E = a.experts_per_rank, K = a.top_k, me = team.rank;
+  const uint64_t row_vectors = static_cast<uint64_t>(a.hidden) / 8;
+  const auto* y = static_cast<const int4*>(a.y);
+  const uint32_t round32 = static_cast<uint32_t>(a.round);
+  auto y_row = [&](int le, int s, int slot) {
+    return y + ((static_cast<uint64_t>(le) * W + s) * a.max_tokens + slot) * row_vectors;
+  };
+  // Lane j < n holds entry j of a meta record: its row in y and its weight.
+  auto load_entries = [&](const int4* rec, int s, const int4** row, float* weight) -> unsigned {
+    const int4 head = rec[0];
+    if (static_cast<uint32_t>(head.x) != round32) return 0u;  // no choice of this token here
+    const int n = head.y < K ? head.y : K;
+    *row = nullptr;
+    *weight = 0.f;
+    if (lane < n) {
+      const int4 entry = rec[1 + lane];
+      if (entry.x >= 0 && entry.x < E && entry.y >= 0 && entry.y < a.max_tokens) {
+        *row = y_row(entry.x, s, entry.y);
+        *weight = __int_as_float(entry.z);
+      }
+    }
+    return __ballot_sync(kFullMask, *row != nullptr);
+  };
+
+  // 1. expert side: one partial row per (source, token) this member served.
+  int total_tokens = 0;
+  for (int i = 1; i < W; ++i) total_tokens += a.tokens_from[(me + i) % W];
+  const int chunks = moe::chunks_per_row(row_vectors, total_tokens, g.warps);
+  const unsigned units = static_cast<unsigned>(total_tokens * chunks);
+  bool last = units == 0 && g.warp == 0;
+  for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
+    // Unit w -> (source s, token t, chunk c), the sources one after the other.
+    int t = static_cast<int>(w / static_cast<unsigned>(chunks));
+    const int c = static_cast<int>(w % static_cast<unsigned>(chunks));
+    int s = me;
+    for (int i = 1; i < W; ++i) {
+      s = (me + i) % W;
+      if (t < a.tokens_from[s]) break;
+      t -= a.tokens_from[s];
+    }
+    const int4* row = nullptr;
+    float weight = 0.f;
+    const unsigned lanes = load_entries(at.meta(me, s, t), s, &row, &weight);
+    if (lanes != 0) {
+      uint64_t first = 0, end = 0;
+      moe::chunk_range(row_vectors, chunks, c, &first, &end);
+      moe::weighted_sum(at.partial_row(s, me, t), row, weight, lanes, nullptr, 0u, first, end,
+                        lane);
+    }
+    if (moe::finish_unit(a.units_done, units, lane)) last = true;
+  }
+
+  // 2. the last unit's warp: every row is out; tell every other member.
+  if (last) {
+    for (int d = lane; d < W; d += 32) {
+      if (d != me) device::signal(team, d, a.combine_slot + static_cast<uint32_t>(me), a.round);
+    }
+  }
+
+  // 3. source side: this member's tokens.
+  auto* out = static_cast<int4*>(a.out);
+  const int out_chunks = moe::chunks_per_row(row_vectors, a.num_tokens, g.warps);
+  const unsigned out_units = static_cast<unsigned>(a.num_tokens * out_chunks);
+  for (unsigned w = static_cast<unsigned>(g.warp); w < out_units;
+       w += static_cast<unsigned>(g.warps)) {
+    const int t = static_cast<int>(w / static_cast<unsigned>(out_chunks));
+    const int c = static_cast<int>(w % static_cast<unsigned>(out_chunks));
+    const unsigned remote = a.remote_members[t];
+    // Lane d waits for member d; then every lane acquires every such signal
+    // itself, so that its loads of the partial rows see them.
+    const bool mine = lane < W && lane != me && ((remote >> lane) & 1u) != 0;
+    if (mine) device::wait(team, a.combine_slot + static_cast<uint32_t>(lane), a.round);
+    __syncwarp();
+    for (unsigned m = remote; m != 0; m &= m - 1) {
+      (void)device::read_signal(team, a.combine_slot + static_cast<uint32_t>(__ffs(m) - 1));
+    }
+    const int4* partial = mine ? at.partial_row(me, lane, t) : nullptr;
+    const unsigned partial_lanes = __ballot_sync(kFullMask, mine);
+    const int4* row = nullptr;
+    float weight = 0.f;
+    const unsigned own_lanes = load_entries(at.meta(me, me, t), me, &row, &weight);
+    uint64_t first = 0, end = 0;
+    moe::chunk_range(row_vectors, out_chunks, c, &first, &end);
+    moe::weighted_sum(out + static_cast<uint64_t>(t) * row_vectors, row, weight, own_lanes, partial,
+                      partial_lanes, first, end, lane);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const MoeKernelArgs& args, int blocks, cudaStream_t stream) {
+  combine_kernel<<<blocks, kMoeThreadsPerBlock, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t preload_combine_kernel() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, combine_kernel);
+}
+
+cudaError_t preload_moe_kernels() {
+  if (cudaError_t e = preload_dispatch_kernel(); e != cudaSuccess) return e;
+  return preload_combine_kernel();
+}
+
+}  // namespace ferry::symmetric

@@ -1,0 +1,228 @@
+// Device helpers shared by the MoE dispatch and combine kernels: how work is
+// split over warps, the "last unit" count that replaces a grid barrier, and
+// the warp-wide copies that read a row once and write it to many places.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "ferry/device.cuh"
+#include "symmetric/moe_kernels.h"
+
+namespace ferry::symmetric::moe {
+
+constexpr int kWarpsPerBlock = kMoeThreadsPerBlock / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kUnroll = 4;  // 16-byte vectors in flight per lane
+
+struct Grid {
+  int lane;
+  int warp;   // this warp's index in the grid
+  int warps;  // warps in the grid
+};
+
+__device__ __forceinline__ Grid grid() {
+  Grid g;
+  g.lane = static_cast<int>(threadIdx.x & 31u);
+  g.warps = static_cast<int>(gridDim.x) * kWarpsPerBlock;
+  g.warp = static_cast<int>(blockIdx.x) * kWarpsPerBlock + static_cast<int>(threadIdx.x / 32);
+  return g;
+}
+
+// How many warps share one row: with few rows, a row is split so that every
+// warp has work and each moves a few 16-byte vectors per lane (latency, not
+// bandwidth, is what a small call pays); with many rows, one warp per row.
+__device__ __forceinline__ int chunks_per_row(uint64_t row_vectors, int rows, int warps) {
+  const int most = static_cast<int>((row_vectors + 31) / 32);
+  if (rows <= 0) return most;
+  const int fit = warps / rows;
+  return fit < 1 ? 1 : (fit < most ? fit : most);
+}
+
+// Vectors [first, end) of a row for chunk `c` of `chunks`: whole 32-vector
+// groups, so that every lane of a warp runs the same iterations.
+__device__ __forceinline__ void chunk_range(uint64_t row_vectors, int chunks, int c,
+                                            uint64_t* first, uint64_t* end) {
+  const uint64_t groups = (row_vectors + 31) / 32;
+  const uint64_t per = (groups + chunks - 1) / chunks;
+  *first = per * 32 * static_cast<uint64_t>(c);
+  const uint64_t e = *first + per * 32;
+  *end = e < row_vectors ? e : row_vectors;
+  if (*first > *end) *first = *end;
+}
+
+// Called by every lane of a warp after one unit of work: true in every lane
+// of the warp that finished the last of `total` units. The count is the grid
+// barrier the kernels do not have: every unit's stores (any lane, to any
+// member) are ordered before the increment (release at system scope), and the
+// last warp orders everything it does next after all of them (acquire), so a
+// signal it sends covers every unit's data. The last warp resets the count.
+__device__ __forceinline__ bool finish_unit(unsigned int* done, unsigned int total, int lane) {
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) {
+    device::fence();
+    last = atomicAdd(done, 1u) == total - 1 ? 1 : 0;
+    if (last) {
+      device::fence();
+      atomicExch(done, 0u);
+    }
+  }
+  last = __shfl_sync(kFullMask, last, 0);
+  if (last) {
+    __syncwarp();
+    device::fence();
+  }
+  return last != 0;
+}
+
+// Waits (lane 0 spins, acquire at system scope) until this member's `slot` is
+// >= at_least; then every lane loads the slot with an acquire of its own, so
+// that each lane's later loads see the data ordered before the signal.
+// Returns the value (0 after a timeout, which the team's error record holds).
+__device__ __forceinline__ uint64_t warp_wait(const DeviceTeam& team, uint32_t slot,
+                                              uint64_t at_least, int lane) {
+  unsigned long long v = 0;
+  if (lane == 0) {
+    uint64_t seen = 0;
+    v = device::wait(team, slot, at_least, 0, &seen) ? seen : 0;
+  }
+  __syncwarp();
+  v = __shfl_sync(kFullMask, v, 0);
+  if (v != 0) (void)device::read_signal(team, slot);  // this lane's own acquire
+  return v;
+}
+
+// One warp copies vectors [first, end) of the row at `src` to every lane's
+// `dst` among `dst_lanes` (a row start each): each vector is loaded once and
+// stored to every destination. Every lane must call it with the same
+// arguments except `dst`.
+template <bool kReadOnlySource>
+__device__ __forceinline__ void fan_copy(const int4* src, int4* dst, unsigned dst_lanes,
+                                         uint64_t first, uint64_t end, int lane) {
+  for (uint64_t base = first; base < end; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+      v[u] = i < end ? device::load_source<kReadOnlySource>(src + i) : make_int4(0, 0, 0, 0);
+    }
+    for (unsigned m = dst_lanes; m != 0; m &= m - 1) {
+      const int from = __ffs(static_cast<int>(m)) - 1;
+      auto* d = reinterpret_cast<int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(dst), from));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+        if (i < end) device::store_stream(d + i, v[u]);
+      }
+    }
+  }
+}
+
+// acc[0..7] += w * the 8 bf16 values of `packed`.
+__device__ __forceinline__ void add_weighted(float* acc, const int4& packed, float w) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] += w * f.x;
+    acc[2 * j + 1] += w * f.y;
+  }
+}
+
+__device__ __forceinline__ int4 pack_bf16(const float* acc) {
+  int4 packed;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return packed;
+}
+
+// One warp writes to `dst` vectors [first, end) of the fp32 sum of
+//   weight_i * row_i  for the lanes i in `weighted_lanes` (each lane's `row`
+//                     and `weight`; rows written by earlier kernels: read-only path)
+// + row_j            for the lanes j in `plain_lanes` (each lane's `plain`;
+//                     rows written during this kernel: weak loads)
+// rounded to bf16 once. Every lane must call it with the same lane masks.
+__device__ __forceinline__ void weighted_sum(int4* dst, const int4* row, float weight,
+                                             unsigned weighted_lanes, const int4* plain,
+                                             unsigned plain_lanes, uint64_t first, uint64_t end,
+                                             int lane) {
+  for (uint64_t base = first; base < end; base += 32 * kUnroll) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+    }
+    for (unsigned m = weighted_lanes; m != 0; m &= m - 1) {
+      const int from = __ffs(static_cast<int>(m)) - 1;
+      const auto* r = reinterpret_cast<const int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), from));
+      const float w = __shfl_sync(kFullMask, weight, from);
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+        v[u] = i < end ? device::load_stream(r + i) : make_int4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) add_weighted(acc[u], v[u], w);
+    }
+    for (unsigned m = plain_lanes; m != 0; m &= m - 1) {
+      const int from = __ffs(static_cast<int>(m)) - 1;
+      const auto* r = reinterpret_cast<const int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(plain), from));
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+        v[u] = i < end ? r[i] : make_int4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) add_weighted(acc[u], v[u], 1.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+      if (i < end) device::store_stream(dst + i, pack_bf16(acc[u]));
+    }
+  }
+}
+
+// Where things are in member `m`'s data area.
+struct Layout {
+  const MoeKernelArgs* a;
+  __device__ uint8_t* base(int m) const { return a->team.data[m]; }
+  __device__ uint64_t row_bytes() const { return static_cast<uint64_t>(a->hidden) * 2; }
+  // recv_x row of (local expert le, source s, slot) on member m
+  __device__ int4* recv_row(int m, int le, int s, int slot) const {
+    const uint64_t row = (static_cast<uint64_t>(le) * a->team.size + s) * a->max_tokens + slot;
+    return reinterpret_cast<int4*>(base(m) + a->recv_x_offset + row * row_bytes());
+  }
+  __device__ int32_t* recv_src(int m, int le, int s, int slot) const {
+    const uint64_t row = (static_cast<uint64_t>(le) * a->team.size + s) * a->max_tokens + slot;
+    return reinterpret_cast<int32_t*>(base(m) + a->recv_src_offset) + row;
+  }
+  // token t of source s as staged on member m
+  __device__ int4* stage_row(int m, int s, int t) const {
+    const uint64_t row = static_cast<uint64_t>(s) * a->max_tokens + t;
+    return reinterpret_cast<int4*>(base(m) + a->stage_offset + row * row_bytes());
+  }
+  // header of token t of source s on member m; entries follow it
+  __device__ int4* meta(int m, int s, int t) const {
+    const uint64_t rec = static_cast<uint64_t>(s) * a->max_tokens + t;
+    return reinterpret_cast<int4*>(base(m) + a->meta_offset) + rec * (1 + a->top_k);
+  }
+  __device__ int32_t* counts(int m, int parity, int s) const {
+    const uint64_t at = (static_cast<uint64_t>(parity) * a->team.size + s) * a->experts_per_rank;
+    return reinterpret_cast<int32_t*>(base(m) + a->counts_offset) + at;
+  }
+  // member d's partial sum for token t, on member m (the token's source)
+  __device__ int4* partial_row(int m, int d, int t) const {
+    const uint64_t row = static_cast<uint64_t>(d) * a->max_tokens + t;
+    return reinterpret_cast<int4*>(base(m) + a->partial_offset + row * row_bytes());
+  }
+};
+
+}  // namespace ferry::symmetric::moe

@@ -1,0 +1,222 @@
+// MoE dispatch as one kernel: each token crosses NVLink once per member that
+// holds any of its experts, not once per expert.
+//
+//  1. send: warps take (token, chunk of its row). Each (token, k) choice gets
+//     its slot in the expert's receive block from this member's counter for
+//     that expert. The warp loads the chunk once and stores it into
+//       - recv_x of each of this member's own chosen experts (local stores), and
+//       - the stage row (source = me, token) of each other member it chose,
+//     and writes, for each such member, the token's meta record there: a
+//     header {round, n} and n entries {local expert, slot, weight}.
+//  2. count: the warp that finishes the last unit (finish_unit: release /
+//     acquire at system scope, no grid barrier) takes the per-expert counts,
+//     writes each member's into its counts area and signals it (release,
+//     system scope; value round << 32 | this member's tokens).
+//  3. fan out: every warp waits for each other member's signal, then copies
+//     that member's staged rows into this member's experts' recv_x rows as its
+//     meta records say (local HBM, one read per row, one write per expert).
+// Counts and signals come in two sets by round parity: a member can be one
+// dispatch ahead of another (it only waits for the members its tokens chose
+// in combine), never two.
+#include "symmetric/moe_device.cuh"
+
+namespace ferry::symmetric {
+namespace {
+
+using moe::kFullMask;
+
+__device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The slot of (token, k) when several warps copy chunks of the token's row:
+// the first one claims it (CAS on a word tagged with this call's round), takes
+// the next slot of the expert and publishes it; the others wait for it.
+__device__ int claim_slot(unsigned long long* word, uint64_t round, int* counter) {
+  const unsigned long long busy = (static_cast<unsigned long long>(round) << 32) | 0xffffffffull;
+  for (;;) {
+    const unsigned long long v = load_acquire_gpu(word);
+    if ((v >> 32) == round) {
+      if ((v & 0xffffffffull) != 0xffffffffull) return static_cast<int>(v & 0xffffffffull);
+      continue;  // another warp is taking it
+    }
+    if (atomicCAS(word, v, busy) == v) {
+      const int slot = atomicAdd(counter, 1);
+      const unsigned long long mine =
+          (static_cast<unsigned long long>(round) << 32) | static_cast<unsigned int>(slot);
+      asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(word), "l"(mine) : "memory");
+      return slot;
+    }
+  }
+}
+
+// Step 2, by the warp that finished the last send unit.
+__device__ void send_counts(const MoeKernelArgs& a, const moe::Layout& at, int lane) {
+  const DeviceTeam& team = a.team;
+  const int W = team.size, E = a.experts_per_rank, me = team.rank;
+  const int parity = static_cast<int>(a.round & 1);
+  for (int e = lane; e < W * E; e += 32) {
+    int count = atomicExch(&a.slot_counter[e], 0);
+    if (count > a.max_tokens) count = a.max_tokens;  // the overflow was recorded in step 1
+    const int d = e / E, le = e % E;
+    if (d == me) {
+      a.recv_count[le * W + me] = count;
+    } else {
+      at.counts(d, parity, me)[le] = count;
+    }
+  }
+  __syncwarp();
+  device::fence();
+  const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens);
+  for (int d = lane; d < W; d += 32) {
+    if (d != me) {
+      device::signal(team, d, a.dispatch_slot + static_cast<uint32_t>(parity * W + me), value);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKernelArgs a) {
+  const DeviceTeam& team = a.team;
+  const moe::Grid g = moe::grid();
+  const moe::Layout at{&a};
+  const int lane = g.lane;
+  const int W = team.size, E = a.experts_per_rank, K = a.top_k, me = team.rank;
+  const int experts = W * E;
+  const uint64_t row_vectors = static_cast<uint64_t>(a.hidden) / 8;  // 8 bf16 per int4
+  const auto* x = static_cast<const int4*>(a.x);
+  const uint32_t round32 = static_cast<uint32_t>(a.round);
+
+  // 1. send.
+  const int chunks = moe::chunks_per_row(row_vectors, a.num_tokens, g.warps);
+  const unsigned units = static_cast<unsigned>(a.num_tokens * chunks);
+  bool last = units == 0 && g.warp == 0;
+  for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
+    const int t = static_cast<int>(w) / chunks, c = static_cast<int>(w) % chunks;
+    // Lane k holds choice k: its expert, member, slot.
+    int64_t e = -1;
+    float weight = 0.f;
+    if (lane < K) {
+      e = a.topk_idx[static_cast<uint64_t>(t) * K + lane];
+      weight = a.topk_weights[static_cast<uint64_t>(t) * K + lane];
+      if (e >= experts) {
+        if (c == 0) {
+          device::record_error(team, kDeviceErrorBadPeer, static_cast<int>(e / E), 0,
+                               static_cast<uint64_t>(experts), static_cast<uint64_t>(e));
+        }
+        e = -1;
+      }
+      if (e < 0) e = -1;
+    }
+    const int d = e >= 0 ? static_cast<int>(e) / E : -1;
+    const int le = e >= 0 ? static_cast<int>(e) % E : -1;
+    int slot = -1;
+    if (e >= 0) {
+      slot = chunks == 1 ? atomicAdd(&a.slot_counter[e], 1)
+                         : claim_slot(&a.slot_of[static_cast<uint64_t>(t) * K + lane], a.round,
+                                      &a.slot_counter[e]);
+      if (slot >= a.max_tokens) {  // one token chose this expert more than once, too often
+        if (c == 0) {
+          device::record_error(team, kDeviceErrorOutOfRange, d, 0, static_cast<uint64_t>(slot) + 1,
+                               static_cast<uint64_t>(a.max_tokens));
+        }
+        slot = -1;
+      }
+    }
+    __syncwarp();
+    const bool valid = slot >= 0;
+    const int dkey = valid ? d : -1 - lane;  // invalid lanes match nobody
+    const unsigned same = __match_any_sync(kFullMask, dkey);
+    const unsigned lt = (1u << lane) - 1u;
+    const int j = __popc(same & lt);  // this choice's entry among its member's
+    const int n = __popc(same);
+    // Destinations: own experts' rows here; one stage row per other member.
+    int4* dst = nullptr;
+    if (valid && d == me) dst = at.recv_row(me, le, me, slot);
+    if (valid && d != me && j == 0) dst = at.stage_row(d, me, t);
+    const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
+    uint64_t first = 0, end = 0;
+    moe::chunk_range(row_vectors, chunks, c, &first, &end);
+    const int4* row = x + static_cast<uint64_t>(t) * row_vectors;
+    if (dst_lanes != 0) moe::fan_copy<true>(row, dst, dst_lanes, first, end, lane);
+    if (c == 0) {
+      unsigned remote = valid && d != me ? 1u << d : 0u;
+      for (int o = 16; o > 0; o >>= 1) remote |= __shfl_xor_sync(kFullMask, remote, o);
+      if (lane == 0) a.remote_members[t] = remote;
+      if (valid) {
+        int4* rec = at.meta(d, me, t);
+        rec[1 + j] = make_int4(le, slot, __float_as_int(weight), 0);
+        if (j == 0) rec[0] = make_int4(static_cast<int>(round32), n, 0, 0);
+        if (d == me) *at.recv_src(me, le, me, slot) = t;
+      }
+    }
+    if (moe::finish_unit(a.units_done, units, lane)) last = true;
+  }
+
+  // 2. the last unit's warp: counts and signals.
+  if (last) send_counts(a, at, lane);
+
+  // 3. fan out every other member's staged rows, the members in turn from
+  // different warps so that every warp has work whatever the counts.
+  const int parity = static_cast<int>(a.round & 1);
+  const int fan_chunks = moe::chunks_per_row(
+      row_vectors, (a.num_tokens > 0 ? a.num_tokens : 1) * (W > 1 ? W - 1 : 1), g.warps);
+  for (int i = 1; i < W; ++i) {
+    const int s = (me + i) % W;
+    const uint64_t v = moe::warp_wait(team, a.dispatch_slot + static_cast<uint32_t>(parity * W + s),
+                                      a.round << 32, lane);
+    int tokens = static_cast<int>(v & 0xffffffffull);
+    if (tokens > a.max_tokens) tokens = a.max_tokens;
+    if (g.warp == s % g.warps) {
+      for (int l = lane; l < E; l += 32) {
+        int count = v != 0 ? at.counts(me, parity, s)[l] : 0;
+        a.recv_count[l * W + s] = count < a.max_tokens ? count : a.max_tokens;
+      }
+      if (lane == 0) a.tokens_from[s] = tokens;
+    }
+    const unsigned s_units = static_cast<unsigned>(tokens * fan_chunks);
+    const unsigned offset = static_cast<unsigned>((static_cast<uint64_t>(i - 1) * g.warps) / W);
+    const unsigned start =
+        (static_cast<unsigned>(g.warp) + static_cast<unsigned>(g.warps) - offset) %
+        static_cast<unsigned>(g.warps);
+    for (unsigned w = start; w < s_units; w += static_cast<unsigned>(g.warps)) {
+      const int t = static_cast<int>(w) / fan_chunks, c = static_cast<int>(w) % fan_chunks;
+      const int4* rec = at.meta(me, s, t);
+      const int4 head = rec[0];
+      if (static_cast<uint32_t>(head.x) != round32) continue;  // token t chose none here
+      const int n = head.y < K ? head.y : K;
+      int4* dst = nullptr;
+      int le = -1, slot = -1;
+      if (lane < n) {
+        const int4 entry = rec[1 + lane];
+        le = entry.x;
+        slot = entry.y;
+        if (le >= 0 && le < E && slot >= 0 && slot < a.max_tokens) {
+          dst = at.recv_row(me, le, s, slot);
+        }
+      }
+      const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
+      if (dst_lanes == 0) continue;
+      uint64_t first = 0, end = 0;
+      moe::chunk_range(row_vectors, fan_chunks, c, &first, &end);
+      // Weak loads: the peer wrote these rows during this kernel.
+      moe::fan_copy<false>(at.stage_row(me, s, t), dst, dst_lanes, first, end, lane);
+      if (c == 0 && dst != nullptr) *at.recv_src(me, le, s, slot) = t;
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch(const MoeKernelArgs& args, int blocks, cudaStream_t stream) {
+  dispatch_kernel<<<blocks, kMoeThreadsPerBlock, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t preload_dispatch_kernel() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, dispatch_kernel);
+}
+
+}  // namespace ferry::symmetric
