@@ -52,25 +52,52 @@ __device__ int claim_slot(unsigned long long* word, uint64_t round, int* counter
   }
 }
 
-// Step 2, by the warp that finished the last send unit.
+// Small calls split rows over many warps; there every warp of a token works
+// out its choices' slots itself instead of claiming them: the slot of choice
+// (t, k) is the number of earlier choices (in token, then k order) of the same
+// expert. Every lane calls it; lane k < top_k gets the slot of its `e` (-1:
+// none). Cost: (t x top_k) / 32 loads per lane, so only for few tokens.
+constexpr int kPrefixSlotTokens = 64;
+
+__device__ int prefix_slot(const int64_t* topk_idx, int t, int K, int64_t e, int lane) {
+  int count = 0;
+  const int prior = t * K;
+  for (int base = 0; base < prior; base += 32) {
+    const int i = base + lane;
+    const int64_t v = i < prior ? topk_idx[i] : -1;
+    for (int k = 0; k < K; ++k) {
+      const int64_t ek = __shfl_sync(kFullMask, e, k);
+      const unsigned same = __ballot_sync(kFullMask, ek >= 0 && v == ek);
+      if (lane == k) count += __popc(same);
+    }
+  }
+  for (int k = 0; k < K; ++k) {  // earlier choices of this token
+    const int64_t ek = __shfl_sync(kFullMask, e, k);
+    if (k < lane && e >= 0 && ek == e) ++count;
+  }
+  return e >= 0 ? count : -1;
+}
+
+// Step 2, by the warp that finished the last send unit: lane d takes member
+// d's experts' counts, writes them into d's counts area and signals d; its
+// release covers its own count stores, and finish_unit ordered every unit's
+// data before this warp.
 __device__ void send_counts(const MoeKernelArgs& a, const moe::Layout& at, int lane) {
   const DeviceTeam& team = a.team;
   const int W = team.size, E = a.experts_per_rank, me = team.rank;
   const int parity = static_cast<int>(a.round & 1);
-  for (int e = lane; e < W * E; e += 32) {
-    int count = atomicExch(&a.slot_counter[e], 0);
-    if (count > a.max_tokens) count = a.max_tokens;  // the overflow was recorded in step 1
-    const int d = e / E, le = e % E;
-    if (d == me) {
-      a.recv_count[le * W + me] = count;
-    } else {
-      at.counts(d, parity, me)[le] = count;
-    }
-  }
-  __syncwarp();
-  device::fence();
   const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens);
   for (int d = lane; d < W; d += 32) {
+    int32_t* counts = d == me ? nullptr : at.counts(d, parity, me);
+    for (int le = 0; le < E; ++le) {
+      int count = atomicExch(&a.slot_counter[d * E + le], 0);
+      if (count > a.max_tokens) count = a.max_tokens;  // the overflow was recorded in step 1
+      if (d == me) {
+        a.recv_count[le * W + me] = count;
+      } else {
+        counts[le] = count;
+      }
+    }
     if (d != me) {
       device::signal(team, d, a.dispatch_slot + static_cast<uint32_t>(parity * W + me), value);
     }
@@ -91,6 +118,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   // 1. send.
   const int chunks = moe::chunks_per_row(row_vectors, a.num_tokens, g.warps);
   const unsigned units = static_cast<unsigned>(a.num_tokens * chunks);
+  const bool by_prefix = chunks > 1 && a.num_tokens <= kPrefixSlotTokens;
   bool last = units == 0 && g.warp == 0;
   for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
     const int t = static_cast<int>(w) / chunks, c = static_cast<int>(w) % chunks;
@@ -112,10 +140,15 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     const int d = e >= 0 ? static_cast<int>(e) / E : -1;
     const int le = e >= 0 ? static_cast<int>(e) % E : -1;
     int slot = -1;
-    if (e >= 0) {
+    if (by_prefix) {
+      slot = prefix_slot(a.topk_idx, t, K, e, lane);
+      if (e >= 0 && c == 0) atomicAdd(&a.slot_counter[e], 1);  // the count only
+    } else if (e >= 0) {
       slot = chunks == 1 ? atomicAdd(&a.slot_counter[e], 1)
                          : claim_slot(&a.slot_of[static_cast<uint64_t>(t) * K + lane], a.round,
                                       &a.slot_counter[e]);
+    }
+    if (slot >= 0) {
       if (slot >= a.max_tokens) {  // one token chose this expert more than once, too often
         if (c == 0) {
           device::record_error(team, kDeviceErrorOutOfRange, d, 0, static_cast<uint64_t>(slot) + 1,
