@@ -64,6 +64,11 @@ mkdir -p "$W/artifacts" "$W/logs"
 
 for t in $TARGETS; do
   [ -x "$B/bin/fuzz_$t" ] || { echo "fuzz_long: the bundle has no fuzz_$t"; exit 1; }
+  if ldd "$B/bin/fuzz_$t" | grep -q "not found"; then
+    echo "fuzz_long: fuzz_$t needs libraries neither the bundle nor this machine has:"
+    ldd "$B/bin/fuzz_$t" | grep "not found"
+    exit 1
+  fi
   mkdir -p "$W/corpus/$t" "$W/run/$t/cal" "$W/run/$t/main"
 done
 

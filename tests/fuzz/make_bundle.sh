@@ -83,7 +83,7 @@ ls -l "$B/lib" >> "$B/MANIFEST"
 du -sh "$B"/* >> "$B/MANIFEST"
 mkdir -p "$DEST"
 rm -f "$DEST"/fuzz_bundle.tar.*
-tar -C "$STAGE" -cf - fuzz_bundle | xz -9 -T2 > "$DEST/fuzz_bundle.tar.xz"
+tar -C "$STAGE" -cf - fuzz_bundle | xz -6 -T2 > "$DEST/fuzz_bundle.tar.xz"
 cp "$B/MANIFEST" "$DEST/MANIFEST"
 echo "make_bundle: $DEST/fuzz_bundle.tar.xz ($(du -h "$DEST/fuzz_bundle.tar.xz" | cut -f1)," \
   "$(find "$B/seeds" -type f | wc -l) seed inputs, libraries carried: $(ls "$B/lib" | tr '\n' ' '))"
