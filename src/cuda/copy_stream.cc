@@ -28,6 +28,7 @@
 #include "cuda/cuda_detect.h"
 #include "cuda/cuda_util.h"
 #include "cuda/gather_kernel.h"
+#include "cuda/resident_copier.h"
 #include "ferry/gpu.h"
 
 namespace ferry {
@@ -214,10 +215,15 @@ struct CopyStream::Impl {
 
   struct Pending {
     uint64_t ticket;
-    cudaEvent_t ev;
+    cudaEvent_t ev;                // null for a copy of the resident kernel
     std::vector<Staging> staging;  // descriptor buffers the batch's kernels read
+    uint64_t resident = 0;         // the resident copier's ticket, or 0
+    CopyBlock block{};             // a resident copy (sent again if it is deferred)
   };
   std::deque<Pending> pending;
+  size_t resident_pending = 0;  // entries of `pending` the resident kernel runs
+  std::unique_ptr<cuda::ResidentCopier> resident;
+  bool resident_unavailable = false;  // creating it failed once: not asked again
   std::vector<cudaEvent_t> free_events;
   std::vector<Staging> free_staging;
   CopyStreamStats st;
@@ -228,10 +234,14 @@ struct CopyStream::Impl {
 
   ~Impl() {
     cuda::DeviceGuard g(device);
+    if (resident != nullptr) {
+      (void)drain_resident();  // postings it has not taken yet run too
+      resident.reset();        // then its kernel leaves
+    }
     if (stream != nullptr) cudaStreamSynchronize(stream);
     if (ce_stream != nullptr) cudaStreamSynchronize(ce_stream);
     for (auto& p : pending) {
-      cudaEventDestroy(p.ev);
+      if (p.ev != nullptr) cudaEventDestroy(p.ev);
       for (auto& s : p.staging) cudaFreeHost(s.host);
     }
     for (auto e : free_events) cudaEventDestroy(e);
@@ -276,6 +286,25 @@ struct CopyStream::Impl {
     if (!failed.ok()) return failed;
     while (!pending.empty()) {
       Pending& p = pending.front();
+      if (p.resident != 0) {
+        Result<cuda::ResidentCopier::State> rs = resident->state(p.resident);
+        if (!rs.ok()) {
+          failed = rs.status();
+          return failed;
+        }
+        if (*rs == cuda::ResidentCopier::State::kPending) break;
+        if (*rs == cuda::ResidentCopier::State::kDeferred) {
+          if (Status s = send_deferred(p); !s.ok()) {
+            failed = s;
+            return failed;
+          }
+          continue;  // now an ordinary entry
+        }
+        done_through = p.ticket;
+        --resident_pending;
+        pending.pop_front();
+        continue;
+      }
       cudaError_t e = cudaEventQuery(p.ev);
       if (e == cudaErrorNotReady) break;
       if (e != cudaSuccess) {
@@ -345,6 +374,82 @@ struct CopyStream::Impl {
     return e;
   }
 
+  // A resident copy whose gate stayed shut: the same copy down the ordinary
+  // stream, after the legacy default stream as that orders it.
+  Status send_deferred(Pending& p) {
+    if (opts.after_default_stream && knobs.after_default != AfterDefault::kBlocking) {
+      cudaError_t e = cudaEventRecord(legacy_ev, cudaStreamLegacy);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, legacy_ev, 0);
+      if (e != cudaSuccess) return cuda_status(e, "ordering a deferred copy");
+    }
+    Result<cudaEvent_t> ev = acquire_event();
+    if (!ev.ok()) return ev.status();
+    cudaError_t e =
+        cudaMemcpyAsync(p.block.dst, p.block.src, p.block.size, cudaMemcpyDefault, stream);
+    if (e == cudaSuccess) e = cudaEventRecord(ev.value(), stream);
+    if (e != cudaSuccess) {
+      free_events.push_back(ev.value());
+      return cuda_status(e, "sending a deferred copy to the copy engine");
+    }
+    p.ev = ev.value();
+    p.resident = 0;
+    --resident_pending;
+    ++st.resident_deferred;
+    return Status::Ok();
+  }
+
+  // A lone small block of device memory, when nothing but resident copies is
+  // in flight (so stream order holds): to the resident kernel. 0 when it
+  // does not take the block.
+  Result<uint64_t> try_resident(std::span<const CopyBlock> blocks, const CopyOptions& o,
+                                BlockCheck check) {
+    if (o.resident_max_block == 0 || resident_unavailable || blocks.size() != 1 ||
+        check != BlockCheck::kDeviceMemory || resident_pending != pending.size()) {
+      return uint64_t{0};
+    }
+    const CopyBlock& b = blocks[0];
+    if (b.size == 0 || b.size > o.resident_max_block || b.dst == nullptr || b.src == nullptr ||
+        ((reinterpret_cast<uintptr_t>(b.dst) | reinterpret_cast<uintptr_t>(b.src)) & 15) != 0) {
+      return uint64_t{0};
+    }
+    if (resident == nullptr) {
+      cuda::ResidentCopier::Options ro;
+      ro.linger = std::chrono::microseconds(o.resident_linger_us);
+      auto r = cuda::ResidentCopier::create(device, ro);
+      if (!r.ok()) {
+        resident_unavailable = true;
+        return uint64_t{0};
+      }
+      resident = std::move(r).value();
+    }
+    Result<uint64_t> rt = resident->post(b.dst, b.src, b.size, o.after_default_stream);
+    if (!rt.ok()) return rt.status();
+    if (*rt == 0) return uint64_t{0};
+    const uint64_t ticket = ++last_ticket;
+    pending.push_back(Pending{ticket, nullptr, {}, *rt, b});
+    ++resident_pending;
+    ++st.batches;
+    ++st.resident_blocks;
+    return ticket;
+  }
+
+  // Before a batch goes down the stream: the resident copies in flight
+  // finish first (stream order; they are small and take microseconds).
+  Status drain_resident() {
+    const auto start = std::chrono::steady_clock::now();
+    while (resident_pending > 0) {
+      if (Status s = retire(); !s.ok()) return s;
+      if (resident_pending == 0) break;
+      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(10)) {
+        return err::Internal("copy stream on device " + std::to_string(device) + ": " +
+                             std::to_string(resident_pending) +
+                             " resident copies not done after 10 s");
+      }
+      std::this_thread::yield();
+    }
+    return Status::Ok();
+  }
+
   // After a failure mid-batch: let what was already enqueued finish, so no
   // copy of a rejected batch still runs when submit() returns.
   Status abandon(Status why) {
@@ -365,9 +470,15 @@ Result<uint64_t> CopyStream::Impl::submit(std::span<const CopyBlock> blocks, con
   if (g.status() != cudaSuccess) return cuda_status(g.status(), "cudaSetDevice");
   if (Status s = retire(); !s.ok()) return s;
   while (pending.size() >= kMaxPending) {  // back-pressure
-    cudaEventSynchronize(pending.front().ev);
+    if (pending.front().ev != nullptr) {
+      cudaEventSynchronize(pending.front().ev);
+    } else {
+      std::this_thread::yield();
+    }
     if (Status s = retire(); !s.ok()) return s;
   }
+  if (Result<uint64_t> t = try_resident(blocks, o, check); !t.ok() || *t != 0) return t;
+  if (Status s = drain_resident(); !s.ok()) return s;
 
   if (o.after_default_stream && knobs.after_default != AfterDefault::kBlocking) {
     // Work queued on the legacy default stream before this call runs first:

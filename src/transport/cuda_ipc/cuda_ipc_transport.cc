@@ -59,6 +59,14 @@ const OptionSpec kCudaIpcOptionSpecs[] = {
      "the same for copies between two GPUs (over NVLink or PCIe peer access): there the copy "
      "engine pays more per block",
      0, 1ull << 30},
+    {"cuda_ipc.resident_max_block", OptionType::kBytes, "64KiB",
+     "a call of one block of device memory of at most this size goes to the resident copy "
+     "kernel, which stays on the GPU (one SM) for cuda_ipc.resident_linger_us after its last "
+     "copy and takes the next without a launch or driver call (0: never)",
+     0, 1ull << 30},
+    {"cuda_ipc.resident_linger_us", OptionType::kUint, "200",
+     "how long the resident copy kernel waits for the next small copy before it leaves the GPU", 1,
+     100000},
     {"cuda_ipc.batch_api", OptionType::kBool, "true",
      "copy-engine blocks of a call go to one cudaMemcpyBatchAsync (false: one cudaMemcpyAsync "
      "each)"},
@@ -105,6 +113,8 @@ Status CudaIpcTransport::read_options() {
   opt_.kernel_max_block = o.get_uint("cuda_ipc.kernel_max_block");
   opt_.peer_kernel_max_block = o.get_uint("cuda_ipc.peer_kernel_max_block");
   opt_.batch_api = o.get_bool("cuda_ipc.batch_api");
+  opt_.resident_max_block = o.get_uint("cuda_ipc.resident_max_block");
+  opt_.resident_linger_us = static_cast<uint32_t>(o.get_uint("cuda_ipc.resident_linger_us"));
   opt_.waiter_polls = o.get_bool("cuda_ipc.waiter_polls");
   opt_.after_default_stream = o.get_bool("cuda_ipc.after_default_stream");
   opt_.engine_max_blocks = static_cast<uint32_t>(o.get_uint("cuda_ipc.engine_max_blocks"));
