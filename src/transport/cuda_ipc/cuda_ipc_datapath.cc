@@ -283,23 +283,35 @@ void CudaIpcTransport::cancel(Transfer& transfer) {
   }
   // COPY_REQs run on the peer's GPU, reading or writing our memory: wait for
   // their answers (or the peer's death), at most cuda_ipc.grant_timeout_ms.
+  // A peer that has not answered by then may still be copying: give it up
+  // (as shm does at shm.cancel_timeout_ms), which fails its other transfers
+  // and drops what waited for its answers, rather than return as if nothing
+  // could move any more and keep this transfer's requests in push_waits for
+  // as long as the peer stalls.
   std::vector<std::shared_ptr<Connection>> conns;
   {
     std::lock_guard lock(mu_);
-    conns = open_;
+    for (const auto& c : open_) {
+      if (c->peer == transfer.peer()) conns.push_back(c);
+    }
   }
   for (auto& c : conns) {
     std::unique_lock lock(c->mu);
+    size_t left = 0;
     const bool idle = c->cv.wait_for(lock, opt_.grant_timeout, [&] {
       if (c->dead.load()) return true;
-      for (const auto& [id, t] : c->push_waits) {
-        if (t.get() == &transfer) return false;
-      }
-      return true;
+      left = 0;
+      for (const auto& [id, t] : c->push_waits) left += t.get() == &transfer ? 1 : 0;
+      return left == 0;
     });
+    lock.unlock();
     if (!idle) {
-      spdlog::warn("cuda_ipc: cancelling transfer {}: {} has not answered its copy requests",
-                   transfer.id(), describe(*c));
+      const Status why = err::Timeout(fmt::format(
+          "cancel of transfer {} waited {} ms (cuda_ipc.grant_timeout_ms) for {} to answer {} "
+          "copy request(s) it may still be running on our memory; the connection is shut down",
+          transfer.id(), opt_.grant_timeout.count(), describe(*c), left));
+      spdlog::warn("ferry cuda_ipc: {}", why.message());
+      fail_connection(*c, why);
     }
   }
   transfer.complete(err::Cancelled(fmt::format("transfer {} cancelled", transfer.id())));

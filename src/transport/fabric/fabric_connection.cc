@@ -283,7 +283,10 @@ void FabricTransport::fail_peer(const std::shared_ptr<Peer>& p, const Status& re
       if (j->peer == p) mine.push_back(j);
     }
     failed = mine.size();
-    for (auto& j : mine) fail_job_locked(j, why);
+    for (auto& j : mine) {
+      fail_job_locked(j, why);
+      drop_queued_locked(*j);  // nothing more of it is posted (see cancel())
+    }
   }
   {
     std::lock_guard lock(export_mu_);

@@ -554,6 +554,10 @@ void FabricTransport::pump_locked() {
   backlog_.store(!send_queue_.empty() || backlog, std::memory_order_relaxed);
 }
 
+void FabricTransport::drop_queued_locked(const Job& job) {
+  std::erase_if(queue_, [&job](const std::shared_ptr<Job>& q) { return q.get() == &job; });
+}
+
 void FabricTransport::add_live_locked(const std::shared_ptr<Job>& job) {
   job->live_index = live_jobs_.size();
   job->transfer->transport_state = job.get();
@@ -626,6 +630,11 @@ void FabricTransport::cancel(Transfer& transfer) {
   if (job->error.ok()) {
     job->error = err::Cancelled(fmt::format("transfer {} was cancelled", transfer.id()));
   }
+  // Its segments not yet handed to the provider never will be: out of the
+  // queue now, not when the pump reaches it -- behind a window that a
+  // stalled peer holds full, that is never, and every call cancelled there
+  // would stay queued with its segment list.
+  drop_queued_locked(*job);
   // Ops already handed to the provider cannot be called back: wait until they
   // complete (or the peer is declared dead, which bounds the wait).
   ++job_waiters_;

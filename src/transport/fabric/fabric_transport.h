@@ -490,6 +490,8 @@ class FabricTransport final : public Transport {
   // (Transfer::transport_state) while it is here, for cancel().
   std::vector<std::shared_ptr<Job>> live_jobs_;
   void add_live_locked(const std::shared_ptr<Job>& job);
+  // Takes a stopped job out of queue_ (what it had not posted is dropped).
+  void drop_queued_locked(const Job& job);
   void remove_live_locked(Job& job);
   std::deque<Op*> send_queue_;  // sends the provider answered EAGAIN to, in order
   uint64_t inflight_ = 0, inflight_bytes_ = 0;
