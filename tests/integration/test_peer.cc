@@ -32,6 +32,12 @@
 //   read PEER DESC OFF LEN         reads DESC [OFF, +LEN) into its own buffer at
 //                                  OFF; OK <hash of what arrived>
 //   notify PEER HEX                OK
+//   post PEER DESC OFF LEN N SEED  fills [OFF, +LEN*N) with pattern SEED and
+//                                  posts N asynchronous writes of LEN bytes
+//                                  back to back; OK <N> at once
+//   pending                        OK <how many posted writes still run>
+//   wait_posted MS                 waits for the posted writes; OK <ended ok>
+//                                  <failed> <ms waited> <first error or ->
 //   exit                           BYE, exit 0
 #include <signal.h>
 #include <sys/prctl.h>
@@ -85,6 +91,7 @@ struct Peer {
   Buffer* buf = nullptr;
   RegionId region = 0;
   bool registered = false;
+  std::vector<std::pair<TransferId, Status>> posted;  // "post": ids and how they ended
 
   bool InRange(uint64_t off, uint64_t len) const {
     return off <= buf->size() && len <= buf->size() - off;
@@ -168,6 +175,65 @@ struct Peer {
       }
       Status s = engine->read(peer, {&l, 1}, {&r, 1});
       return s.ok() ? "OK " + Hex64(HashBytes(buf->data() + off, len)) : ErrLine(s);
+    }
+    // Asynchronous writes, for tests that act while they are in flight:
+    // "post PEER DESC OFF LEN COUNT SEED" fills [OFF, OFF + LEN * COUNT) with
+    // the pattern of SEED and posts COUNT writes of LEN bytes one after the
+    // other, returning at once; "pending" says how many of them are still
+    // running; "wait_posted MS" waits for all of them and says how they ended
+    // ("OK <ok> <failed> <ms waited> <first error>").
+    if (cmd == "post" && f.size() == 7) {
+      const PeerId peer = U64(f[1], 16);
+      auto raw = FromHex(f[2]);
+      if (!raw) return "ERR InvalidArgument bad hex";
+      auto desc = RemoteDescriptor::from_bytes(*raw);
+      if (!desc.ok()) return ErrLine(desc.status());
+      const uint64_t off = U64(f[3]), len = U64(f[4]), count = U64(f[5]);
+      if (count == 0 || len > UINT64_MAX / count || !InRange(off, len * count)) {
+        return "ERR InvalidArgument range outside the local buffer";
+      }
+      FillPattern(U64(f[6]), off, buf->data() + off, len * count);
+      for (uint64_t i = 0; i < count; ++i) {
+        LocalIov l{buf->data() + off + i * len, len};
+        RemoteIov r{&*desc, off + i * len, len};
+        auto id = engine->write_async(peer, {&l, 1}, {&r, 1});
+        if (!id.ok()) return ErrLine(id.status());
+        posted.push_back({*id, Status(StatusCode::kInProgress, "")});
+      }
+      return "OK " + std::to_string(count);
+    }
+    if (cmd == "pending") {
+      uint64_t running = 0;
+      for (auto& p : posted) {
+        if (p.second.code() == StatusCode::kInProgress) p.second = engine->test(p.first);
+        if (p.second.code() == StatusCode::kInProgress) ++running;
+      }
+      return "OK " + std::to_string(running);
+    }
+    if (cmd == "wait_posted" && f.size() == 2) {
+      const auto start = std::chrono::steady_clock::now();
+      const auto deadline = start + std::chrono::milliseconds(U64(f[1]));
+      uint64_t ok = 0, failed = 0;
+      std::string first_error = "-";
+      for (auto& p : posted) {
+        if (p.second.code() == StatusCode::kInProgress) {
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+              deadline - std::chrono::steady_clock::now());
+          p.second = engine->wait(p.first, std::max(left, std::chrono::milliseconds(0)));
+        }
+        if (p.second.ok()) {
+          ++ok;
+        } else {
+          ++failed;
+          if (first_error == "-") first_error = ErrLine(p.second).substr(4);
+        }
+      }
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::steady_clock::now() - start)
+                          .count();
+      posted.clear();
+      return "OK " + std::to_string(ok) + " " + std::to_string(failed) + " " + std::to_string(ms) +
+             " " + first_error;
     }
     if (cmd == "carriers" && f.size() == 2) {
       // Which transport carries host memory to the peer, and why the others
