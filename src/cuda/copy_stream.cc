@@ -21,6 +21,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -415,6 +416,8 @@ struct CopyStream::Impl {
     if (resident == nullptr) {
       cuda::ResidentCopier::Options ro;
       ro.linger = std::chrono::microseconds(o.resident_linger_us);
+      const char* g = std::getenv("FERRY_RESIDENT_GATE");  // for measurement
+      ro.query_default_stream = g == nullptr || std::string_view(g) != "always";
       auto r = cuda::ResidentCopier::create(device, ro);
       if (!r.ok()) {
         resident_unavailable = true;

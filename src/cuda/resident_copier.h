@@ -6,12 +6,12 @@
 // driver call.
 //
 // Order after the legacy default stream (CopyOptions::after_default_stream):
-// the copy posted with ticket t waits on the GPU for a gate word that
-// cuStreamWriteValue64, queued on the legacy stream at the post, sets to t
-// once the work queued there before has run. A gate still shut after
-// `gate_wait` (the legacy stream is busy with long work, which might even need
-// the SM this kernel holds) defers the copy: the kernel leaves without copying
-// and the caller sends the copy down its ordinary stream instead.
+// where the legacy stream is idle at the post (one cudaStreamQuery) there is
+// nothing to wait for. Otherwise the copy posted with ticket t waits on the GPU for a gate word
+// that cuStreamWriteValue64, queued on the legacy stream at the post, sets to t once the work
+// queued there before has run. A gate still shut after `gate_wait` (the legacy stream is busy with
+// long work, which might even need the SM this kernel holds) defers the copy: the kernel leaves
+// without copying and the caller sends the copy down its ordinary stream instead.
 //
 // Not thread-safe: CopyStream calls it under its own lock.
 #pragma once
@@ -32,6 +32,9 @@ class ResidentCopier {
   struct Options {
     std::chrono::microseconds linger{200};
     std::chrono::microseconds gate_wait{50};
+    // Ask the legacy stream first (cudaStreamQuery) and post without a gate
+    // when it is idle; false: always the gate (FERRY_RESIDENT_GATE=always).
+    bool query_default_stream = true;
   };
   enum class State { kPending, kDone, kDeferred };
 
