@@ -12,6 +12,8 @@ the ratio Ferry / NIXL, and --json.
     ... --systems nixl,plugin,plugin-nopoll,plugin-staging,plugin-staging-nopoll
         # the plugin with shm's small-request polling on (default) and off, in both
         # shm modes; "plugin@FERRY_X=1:FERRY_Y=2" sets any Ferry options for a row
+    ... --systems nixl,plugin,plugin-ring,plugin-ring256,plugin-staging,plugin-staging-ring
+        # shm's request ring (shm.request_ring) on and off, in both modes
 
 The initiator runs NIXL's fastest configuration: nixl_agent_config(
 enable_prog_thread=False) (it then progresses in the caller's polls); the target
@@ -271,12 +273,21 @@ def harness_of(args, names) -> None:
     # before shm.caller_polls and shm.busy_poll_us; and both in staging mode.
     polls_off = {"FERRY_SHM_CALLER_POLLS": "false", "FERRY_SHM_BUSY_POLL_US": "0"}
     staging = {"FERRY_SHM_MODE": "staging"}
+    # Small requests through shm's shared-memory request ring (shm.request_ring),
+    # up to its default 64 KiB, or up to 256 KiB (a 4 KiB x 64 call is one
+    # request of 256 KiB).
+    ring = {"FERRY_SHM_REQUEST_RING": "true"}
+    ring256 = dict(ring, FERRY_SHM_RING_MAX_BYTES="256KiB")
     known = {"nixl": (args.nixl_python, nixl_env, "nixl"),
              "plugin": (args.nixl_python, plugin_env, "nixl"),
              "plugin-nopoll": (args.nixl_python, dict(plugin_env, **polls_off), "nixl"),
              "plugin-staging": (args.nixl_python, dict(plugin_env, **staging), "nixl"),
              "plugin-staging-nopoll": (args.nixl_python, dict(plugin_env, **staging, **polls_off),
-                                       "nixl")}
+                                       "nixl"),
+             "plugin-ring": (args.nixl_python, dict(plugin_env, **ring), "nixl"),
+             "plugin-ring256": (args.nixl_python, dict(plugin_env, **ring256), "nixl"),
+             "plugin-staging-ring": (args.nixl_python, dict(plugin_env, **staging, **ring),
+                                     "nixl")}
     # "plugin@NAME=VALUE:NAME=VALUE": the plugin with Ferry options set in the
     # environment of both processes (an A/B of an option in one run).
     for n in names:
@@ -294,14 +305,17 @@ def harness_of(args, names) -> None:
             print(f"round {r + 1} {which}: {runs[which][-1]}", file=sys.stderr, flush=True)
     med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
     label = {"nixl": "NIXL (UCX)", "plugin": "NIXL FERRY", "plugin-nopoll": "FERRY nopoll",
-             "plugin-staging": "FERRY stg", "plugin-staging-nopoll": "stg nopoll"}
+             "plugin-staging": "FERRY stg", "plugin-staging-nopoll": "stg nopoll",
+             "plugin-ring": "FERRY ring", "plugin-ring256": "ring 256K",
+             "plugin-staging-ring": "stg ring"}
     for n in names:
         label.setdefault(n, n[-11:])
     first = names[0]
     head = f"{'workload (WRITE, host memory, ' + str(args.inflight) + ' in flight)':<42}"
     head += "".join(f"{label[k]:>12}" for k in names)
     short = {"nixl": "UCX", "plugin": "FERRY", "plugin-nopoll": "nopoll",
-             "plugin-staging": "stg", "plugin-staging-nopoll": "stgnp"}
+             "plugin-staging": "stg", "plugin-staging-nopoll": "stgnp", "plugin-ring": "ring",
+             "plugin-ring256": "r256", "plugin-staging-ring": "stgr"}
     for n in names:
         short.setdefault(n, n[-5:])
     head += "".join(f"{short[k] + '/' + short[first]:>12}" for k in names[1:])

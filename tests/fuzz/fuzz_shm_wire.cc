@@ -1,7 +1,9 @@
 // libFuzzer target: shm's control-socket decoders (src/transport/shm/
-// shm_wire.h) and its metadata address must reject or accept any bytes
+// shm_wire.h), the request ring's slot decoders (shm_request_ring.h) and its
+// metadata address must reject or accept any bytes
 // without reading out of bounds; what they accept re-encodes to a frame that
 // decodes again.
+#include "transport/shm/shm_request_ring.h"
 #include "transport/shm/shm_wire.h"
 #include "wire_fuzz_util.h"
 
@@ -62,6 +64,14 @@ void decode_body(Op op, uint8_t flags, ByteView body) {
         FERRY_FUZZ_REQUIRE(back.ok() && *back == *ids);
       }
       break;
+    case Op::kRing:
+      if (auto bytes = decode_ring(body); bytes.ok()) {
+        auto back = decode_ring(body_of(encode_ring(*bytes)));
+        FERRY_FUZZ_REQUIRE(back.ok() && *back == *bytes);
+      }
+      break;
+    case Op::kRingWake:
+      break;
   }
 }
 
@@ -78,7 +88,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     decode_body(h->op, h->flags, body);
     return 0;
   }
-  const uint8_t pick = in.selector % 9;
+  const uint8_t pick = in.selector % 11;
+  // A request ring's slot: the frame a peer wrote there (shm_request_ring.h).
+  if (pick == 9) {
+    if (auto r = decode_ring_request(in.rest, 3); r.ok()) {
+      const Bytes again = encode_request(r->op, r->id, r->segments, r->has_notification,
+                                         ByteView(r->notification), r->staged);
+      FERRY_FUZZ_REQUIRE(decode_ring_request(ByteView(again), 3).ok());
+    }
+    return 0;
+  }
+  if (pick == 10) {
+    if (auto a = decode_ring_answer(in.rest, 3); a.ok()) {
+      FERRY_FUZZ_REQUIRE(decode_ring_answer(ByteView(encode_response(a->id, a->status)), 3).ok());
+    }
+    return 0;
+  }
   if (pick == 8) {
     if (auto a = decode_address(in.rest); a.ok()) {
       auto back = decode_address(ByteView(encode_address(*a)));

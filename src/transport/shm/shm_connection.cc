@@ -62,23 +62,27 @@ Status recv_exact_fds(int fd, uint8_t* out, size_t n, Clock::time_point deadline
   return Status::Ok();
 }
 
-// Sends `frame` with descriptor `pass` attached to its first byte
-// (SCM_RIGHTS); `pass` < 0 sends it plain. Whole or an error: handshake
+// Sends `frame` with descriptors `pass` (those >= 0, at most two, in order)
+// attached to its first byte (SCM_RIGHTS). Whole or an error: handshake
 // frames are small and go first on their socket.
-ssize_t send_frame_fd(int fd, const Bytes& frame, int pass) {
+ssize_t send_frame_fd(int fd, const Bytes& frame, int pass, int pass2 = -1) {
   iovec iov{const_cast<uint8_t*>(frame.data()), frame.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+  int fds[2];
+  int count = 0;
+  if (pass >= 0) fds[count++] = pass;
+  if (pass2 >= 0) fds[count++] = pass2;
   msghdr m{};
   m.msg_iov = &iov;
   m.msg_iovlen = 1;
-  if (pass >= 0) {
+  if (count > 0) {
     m.msg_control = control;
-    m.msg_controllen = sizeof control;
+    m.msg_controllen = CMSG_SPACE(count * sizeof(int));
     cmsghdr* c = CMSG_FIRSTHDR(&m);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &pass, sizeof(int));
+    c->cmsg_len = CMSG_LEN(count * sizeof(int));
+    std::memcpy(CMSG_DATA(c), fds, count * sizeof(int));
   }
   return ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
@@ -265,14 +269,26 @@ Status ShmTransport::handshake_out(Connection& c, const ShmAddress& address, Pee
     return refuse(
         Status(done.status().code(), fmt::format("shm: {}: {}", where, done.status().message())));
   }
+  // Request rings where both engines take them (our ring rides on the
+  // HELLO_DONE, after the area if there is one; the peer's comes in a RING).
+  if (opt_.request_ring && (ack->features & kFeatureRequestRing) != 0) {
+    if (Status r = make_ring_out(c); r.ok()) {
+      done->request_ring = true;
+    } else {
+      spdlog::warn("ferry shm: no request ring for {}: {}; small requests go on the socket", where,
+                   r.message());
+    }
+  }
   const Bytes frame = encode_hello_done(*done);
-  const ssize_t sent = send_frame_fd(c.fd, frame, c.stages_gpu() ? c.own.fd() : -1);
+  const ssize_t sent =
+      send_frame_fd(c.fd, frame, c.stages_gpu() ? c.own.fd() : -1, c.rings ? c.ring_out.fd() : -1);
   if (sent != static_cast<ssize_t>(frame.size())) {
     return lost(err::PeerDisconnected(fmt::format(
         "sending HELLO_DONE failed: {}",
         sent < 0 ? errno_text(errno) : fmt::format("{} of {} bytes", sent, frame.size()))));
   }
   c.own.close_fd();
+  c.ring_out.close_fd();
   c.state = Connection::State::kOpen;
   return Status::Ok();
 }
@@ -395,6 +411,11 @@ Status ShmTransport::establish(const std::shared_ptr<Connection>& c) {
     lost_.erase(c->peer);
     if (c->outgoing) watch(c);  // accepted ones are watched since accept
   }
+  if (c->rings) {
+    std::lock_guard lock(io_mu_);
+    ring_conns_.push_back(c);
+    ring_conns_gen_.fetch_add(1, std::memory_order_release);
+  }
   ctx_.events->on_peer_up(c->peer);
   // The mode is this connection's own choice (each probe, shm.mode on both
   // sides): say it once, with why shared memory was taken.
@@ -504,6 +525,7 @@ Status ShmTransport::on_hello(Connection& c, const FrameHeader& h, ByteView body
                    describe(c), own.status().message());
     }
   }
+  if (opt_.request_ring) ack.features |= kFeatureRequestRing;
   ack.engine_id = ctx_.engine_id;
   ack.probe_address = reinterpret_cast<uint64_t>(&c.probe_value);
   ack.probe_value = c.probe_value;
@@ -521,6 +543,27 @@ Status ShmTransport::on_hello_done(Connection& c, ByteView body) {
                               c.pid, done->status.message()));
   }
   const std::string who = fmt::format("engine {} (pid {})", hex_id(c.peer), c.pid);
+  if (done->request_ring) {
+    // Its ring is the last descriptor of the frame (after its area).
+    if (!opt_.request_ring || c.rx_fds.empty()) {
+      return err::ProtocolError(fmt::format(
+          "{} chose request rings, but {}", who,
+          !opt_.request_ring ? std::string("this engine did not offer them (shm.request_ring)")
+                             : std::string("its HELLO_DONE carries no ring")));
+    }
+    const int fd = c.rx_fds.back();
+    c.rx_fds.pop_back();
+    auto ring = RequestRing::adopt(fd, kRingBytes);
+    if (!ring.ok()) {
+      return Status(ring.status().code(), fmt::format("{}: {}", who, ring.status().message()));
+    }
+    if (Status r = make_ring_out(c); !r.ok()) return r;
+    c.ring_in = std::move(ring.value());
+    c.ring_in_ready.store(true, std::memory_order_release);
+  } else if (c.rx_fds.size() > 1) {
+    return err::ProtocolError(
+        fmt::format("{} sent {} descriptors on its HELLO_DONE", who, c.rx_fds.size()));
+  }
   if (done->mode == Mode::kStaging) {
     if (opt_.mode == Mode::kCma || !c.own.valid()) {
       return err::ProtocolError(fmt::format(
@@ -587,6 +630,11 @@ Status ShmTransport::on_hello_done(Connection& c, ByteView body) {
       c.mode_text = "cross-memory attach";
     }
   }
+  if (c.rings) {
+    // Ours, for the requests we initiate: before any of them.
+    if (Status r = send_now(c.fd, encode_ring(kRingBytes), c.ring_out.fd()); !r.ok()) return r;
+    c.ring_out.close_fd();
+  }
   c.state = Connection::State::kOpen;
   return establish(c.shared_from_this());
 }
@@ -636,6 +684,11 @@ void ShmTransport::fail_connection(Connection& c, const Status& reason, bool ver
   // Wakes the I/O thread (EPOLLHUP) to drop it and any sender blocked on it;
   // the descriptor itself closes with the last reference.
   ::shutdown(c.fd, SHUT_RDWR);
+  if (c.rings) {
+    std::lock_guard lock(io_mu_);
+    std::erase_if(ring_conns_, [&](const std::shared_ptr<Connection>& o) { return o.get() == &c; });
+    ring_conns_gen_.fetch_add(1, std::memory_order_release);
+  }
   const Status status = verbatim
                             ? reason
                             : err::PeerDisconnected(fmt::format("shm: connection to {} closed: {}",

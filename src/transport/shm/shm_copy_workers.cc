@@ -194,7 +194,10 @@ class CopyInFlight {
 std::vector<std::pair<std::string, uint64_t>> ShmTransport::counters() const {
   return {{"copy_threads", opt_.copy_threads},
           {"requests_copied", requests_copied_.load(std::memory_order_relaxed)},
-          {"peak_parallel_copies", peak_parallel_copies_.load(std::memory_order_relaxed)}};
+          {"peak_parallel_copies", peak_parallel_copies_.load(std::memory_order_relaxed)},
+          {"ring_posted", ring_posted_.load(std::memory_order_relaxed)},
+          {"ring_requests", ring_requests_.load(std::memory_order_relaxed)},
+          {"ring_wakes_sent", ring_wakes_sent_.load(std::memory_order_relaxed)}};
 }
 
 std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {

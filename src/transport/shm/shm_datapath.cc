@@ -62,16 +62,42 @@ void cut_requests(const std::vector<Segment>& segments, uint32_t max_segments, u
 Status ShmTransport::on_response(Connection& c, ByteView body) {
   auto response = decode_response(body);
   if (!response.ok()) return response.status();
+  return handle_response(c, *response, -1);
+}
+
+Status ShmTransport::handle_response(Connection& c, const Response& answer, int ring_slot) {
+  const Response* response = &answer;
   Pending p;
   {
     std::lock_guard lock(c.mu);
+    if (ring_slot >= 0) {
+      const auto slot = static_cast<uint32_t>(ring_slot);
+      if (c.ring_ids[slot] != response->id) {
+        return err::ProtocolError(fmt::format(
+            "request ring slot {} holds an answer to request {}, but request {} was posted there",
+            slot, response->id, c.ring_ids[slot]));
+      }
+      // The slot is ours again (we read the answer out of it already).
+      c.ring_ids[slot] = 0;
+      c.ring_busy[slot / 64].fetch_and(~(uint64_t{1} << (slot % 64)), std::memory_order_relaxed);
+      c.ring_out.state(slot).store(static_cast<uint32_t>(SlotState::kFree),
+                                   std::memory_order_release);
+      c.ring_unanswered.fetch_sub(1, std::memory_order_relaxed);
+    }
     auto it = c.pending.find(response->id);
     if (it == c.pending.end()) {
       return err::ProtocolError(
           fmt::format("RESPONSE for request {}, which is not in flight", response->id));
     }
+    if (it->second.on_socket != (ring_slot < 0)) {
+      return err::ProtocolError(
+          fmt::format("answer to request {} came {}, but the request went {}", response->id,
+                      ring_slot < 0 ? "on the socket" : "in the request ring",
+                      it->second.on_socket ? "on the socket" : "in the request ring"));
+    }
     p = std::move(it->second);
     c.pending.erase(it);
+    if (p.on_socket) c.socket_unanswered.fetch_sub(1, std::memory_order_relaxed);
     const std::shared_ptr<Transfer>& t = p.transfer;
     auto f = c.in_flight.find(t.get());
     if (f != c.in_flight.end() && --f->second == 0) {
@@ -198,6 +224,7 @@ Status ShmTransport::send_staged(const std::shared_ptr<Connection>& c, StagedReq
   for (CopyPiece& p : request.copies) p.remote += at;
   Pending entry;
   entry.range = at;
+  entry.bytes = request.bytes;
   std::span<const CopyPiece> copy_in;
   std::span<const int> copy_in_devices;
   if (request.op == Op::kReadReq) {
@@ -386,7 +413,10 @@ Status ShmTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
           s = stage(*conn, std::move(request), &direct_budget);
         } else {
           const uint64_t id = next_request_id_.fetch_add(1);
-          s = send_request(*conn, t, id, encode_request(op, id, current, embed, note));
+          Pending entry;
+          for (const WireSegment& w : current) entry.bytes += w.remote.length;
+          s = send_request(*conn, t, id, encode_request(op, id, current, embed, note),
+                           std::move(entry));
         }
         current.clear();
         copies.clear();
@@ -456,6 +486,7 @@ Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
   const uint64_t range = entry.range;
   Status refused;
   bool copy_failed = false;
+  bool in_ring = false;
   {
     // Under io_mu: cancel() either sees this request in in_flight and waits
     // for its answer, or we see `cancelled` and send nothing.
@@ -477,6 +508,12 @@ Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
             err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(*c)));
       } else {
         entry.transfer = t;
+        // Small ones through the request ring where it may take them.
+        in_ring = c->rings && ring_post_locked(*c, id, frame, entry);
+        if (!in_ring) {
+          entry.on_socket = true;
+          c->socket_unanswered.fetch_add(1, std::memory_order_relaxed);
+        }
         c->pending.emplace(id, std::move(entry));
         ++c->in_flight[t.get()];
       }
@@ -488,6 +525,10 @@ Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
     // transfer fails now, and their answers find it failed.
     if (copy_failed) fail_transfer(*t, refused);
     return refused;
+  }
+  if (in_ring) {
+    ring_wake_peer(*c);
+    return Status::Ok();
   }
   Status s = send_frame(*c, frame);
   if (!s.ok()) fail_connection(*c, s);  // fails `t` with the others in flight

@@ -30,6 +30,13 @@ namespace {
 
 constexpr size_t kRxInitialBytes = 256 << 10;
 
+// Descriptors the peer may have sent by now: a HELLO_DONE's area and
+// request ring; the peer's request ring (RING) once open, until mapped.
+size_t max_fds(const Connection& c) {
+  if (c.state != Connection::State::kOpen) return 2;
+  return c.rings && !c.ring_in_ready.load() ? 1 : 0;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------- I/O thread ---
@@ -44,11 +51,15 @@ void ShmTransport::io_loop() {
     if (handshaking_ > 0) timeout_ms = ms_left(next_check);
     // Just served a request: the peer's next small one likely follows as
     // soon as it has the answer, so poll rather than sleep for a while.
-    if (opt_.busy_poll.count() > 0 &&
-        Clock::now().time_since_epoch().count() -
-                last_request_ticks_.load(std::memory_order_relaxed) <
-            std::chrono::duration_cast<Clock::duration>(opt_.busy_poll).count()) {
-      timeout_ms = 0;
+    const bool busy = opt_.busy_poll.count() > 0 &&
+                      Clock::now().time_since_epoch().count() -
+                              last_request_ticks_.load(std::memory_order_relaxed) <
+                          std::chrono::duration_cast<Clock::duration>(opt_.busy_poll).count();
+    if (busy) timeout_ms = 0;
+    // Request rings: served while polling, answers read that nobody else
+    // reads; a bound on the sleep while ring requests are unanswered.
+    if (const int ring_limit = ring_io_turn(busy); ring_limit >= 0) {
+      timeout_ms = timeout_ms < 0 ? ring_limit : std::min(timeout_ms, ring_limit);
     }
     const int n = epoll_wait(epfd_, events, 64, timeout_ms);
     if (n < 0) {
@@ -90,6 +101,7 @@ void ShmTransport::io_loop() {
     }
     closed.clear();
   }
+  io_ring_conns_.clear();
 }
 
 void ShmTransport::progress(const Transfer& transfer) {
@@ -100,6 +112,21 @@ void ShmTransport::progress(const Transfer& transfer) {
     auto it = primary_.find(transfer.peer());
     if (it == primary_.end()) return;
     c = it->second;
+  }
+  if (c->rings) {
+    // While we poll the target answers into the ring without waking anyone
+    // (shm_request_ring.h); answers there are read without a system call.
+    c->ring_out.initiator_lease_ns().store(
+        static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+                .count() +
+            1000000),
+        std::memory_order_relaxed);
+    ring_harvest(*c);
+    if (transfer.finished()) return;
+    ring_serve(*c, /*wait=*/false);  // the peer's requests, as the socket's reader serves them
+    // Only requests on the socket are answered on it.
+    if (c->socket_unanswered.load(std::memory_order_relaxed) == 0) return;
   }
   // Never waits for the I/O thread: it is reading this socket, and will
   // hand the answer over itself.
@@ -149,8 +176,7 @@ void ShmTransport::on_readable(Connection& c) {
     const size_t space = c.rx.size() - c.rx_len;
     // recvmsg: a HELLO_DONE brings the peer's staging area (SCM_RIGHTS).
     const ssize_t n = recv_with_fds(c.fd, c.rx.data() + c.rx_len, space, &c.rx_fds);
-    if (n == -2 || c.rx_fds.size() > 1 ||
-        (!c.rx_fds.empty() && c.state == Connection::State::kOpen)) {
+    if (n == -2 || c.rx_fds.size() > max_fds(c)) {
       const Status why = err::ProtocolError(
           fmt::format("{} sent {} file descriptor(s){}; only a HELLO_DONE carries one", describe(c),
                       c.rx_fds.size(), n == -2 ? " and more that were cut off" : ""));
@@ -171,7 +197,7 @@ void ShmTransport::on_readable(Connection& c) {
     }
     c.rx_len += static_cast<size_t>(n);
     Status s = parse_frames(c);
-    if (s.ok() && !c.rx_fds.empty() && c.state == Connection::State::kOpen) {
+    if (s.ok() && c.state == Connection::State::kOpen && c.rx_fds.size() > max_fds(c)) {
       s = err::ProtocolError(fmt::format(
           "{} file descriptor(s) arrived with frames after the handshake", c.rx_fds.size()));
     }
@@ -225,6 +251,15 @@ Status ShmTransport::on_frame(Connection& c, const FrameHeader& h, ByteView body
     case Connection::State::kOpen:
       break;
   }
+  // Requests posted in the peer's ring before this frame was sent come
+  // first (it sent this one on the socket only after them).
+  if (c.rings && (is_request(h.op) || h.op == Op::kCancel)) ring_serve(c, /*wait=*/true);
+  if (h.op == Op::kRingWake) {
+    ring_harvest(c);
+    ring_serve(c, /*wait=*/true);
+    return Status::Ok();
+  }
+  if (h.op == Op::kRing) return on_ring(c, body);
   if (is_request(h.op)) {
     auto request = decode_request(h, body);
     if (!request.ok()) return request.status();

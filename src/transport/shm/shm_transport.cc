@@ -79,6 +79,14 @@ const OptionSpec kShmOptionSpecs[] = {
      "connection for the requests it initiates; it bounds the bytes in flight per connection "
      "and direction",
      kMinStagingBytes, kMaxStagingBytes},
+    {"shm.request_ring", OptionType::kBool, "false",
+     "small requests (shm.ring_max_bytes) and their answers go through a ring in shared memory "
+     "instead of socket frames: the waiting caller reads its answer there without a system call, "
+     "and the target polls the ring while it busy-polls (shm.busy_poll_us); the target checks "
+     "and copies them exactly as socket requests. Used on a connection where both engines turn "
+     "it on"},
+    {"shm.ring_max_bytes", OptionType::kBytes, "64KiB",
+     "the largest request (payload bytes) that goes through the request ring", 0, 1 << 20},
 };
 const size_t kShmOptionSpecCount = std::size(kShmOptionSpecs);
 
@@ -186,6 +194,8 @@ Status ShmTransport::read_options() {
         fmt::format("option shm.mode: '{}' is none of auto, cma, staging", mode));
   }
   opt_.staging_bytes = o.get_uint("shm.staging_bytes");
+  opt_.request_ring = o.get_bool("shm.request_ring");
+  opt_.ring_max_bytes = o.get_uint("shm.ring_max_bytes");
   // The engine validated it; empty where only shm's options exist (tests).
   const std::string& gpu_path = o.get_string(kGpuSameHostPathOption);
   if (!gpu_path.empty()) {

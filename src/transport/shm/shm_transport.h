@@ -58,6 +58,7 @@
 
 #include "cuda/default_stream_mark.h"
 #include "transport/shm/cma.h"
+#include "transport/shm/shm_request_ring.h"
 #include "transport/shm/shm_wire.h"
 #include "transport/shm/staging.h"
 #include "transport/transport.h"
@@ -84,6 +85,9 @@ struct ShmOptions {
   // engine.gpu_same_host_path lets shm stage GPU memory (auto, shm_staged):
   // cross-memory-attach connections then keep both staging areas too.
   bool gpu_areas = true;
+  // Small requests through shared-memory request rings (shm_request_ring.h).
+  bool request_ring = false;
+  uint64_t ring_max_bytes = 64 << 10;
 };
 
 // Copy workers woken for any task; the rest of shm.copy_threads only for a
@@ -110,6 +114,12 @@ struct Pending {
   std::vector<int> copy_out_devices;  // per piece: its GPU, -1 host memory (empty: all host)
   // GPU destinations: the caller's default-stream work when it posted the read.
   std::shared_ptr<const DefaultStreamMark> after;
+  // The request's payload bytes (whether it is small enough for the ring).
+  uint64_t bytes = 0;
+  // How it went: on the socket (counted in socket_unanswered) or in the
+  // request ring's slot `ring_slot`.
+  bool on_socket = false;
+  uint32_t ring_slot = 0;
 };
 
 // A staged request not sent yet: it waits for a range of our area (or, a
@@ -201,6 +211,31 @@ struct Connection : std::enable_shared_from_this<Connection> {
   std::vector<int> rx_fds;       // descriptors received (a HELLO_DONE's staging area)
   std::string cma_refusal;       // accepted connections: why our probe of the peer failed
   Mode peer_mode = Mode::kAuto;  // accepted connections: the peer's shm.mode
+
+  // --- request rings (shm.request_ring, shm_request_ring.h) ---
+  // Chosen by the handshake; then each side has a ring for the requests it
+  // initiates (ring_out, handed to the peer) and maps the peer's (ring_in).
+  bool rings = false;
+  RequestRing ring_out;
+  // Initiator, under mu: the next sequence to post, the request id in each
+  // slot (0: free), and the requests on the socket not answered yet. A
+  // request goes by the ring only while none is (and its slot is free): the
+  // target serves the ring before every socket request it reads, so requests
+  // keep the order they were posted in either way.
+  uint64_t ring_next = 0;
+  uint64_t ring_ids[kRingSlots] = {};
+  // The slots in flight, one bit each, for a reader of answers that looks
+  // without the lock (set and cleared under mu).
+  std::atomic<uint64_t> ring_busy[kRingSlots / 64] = {};
+  std::atomic<uint32_t> socket_unanswered{0};
+  std::atomic<uint32_t> ring_unanswered{0};
+  // Target: the peer's ring, mapped once its descriptor arrived (the
+  // HELLO_DONE's second one, or a RING frame); served in order under
+  // ring_in_mu by one thread at a time.
+  std::mutex ring_in_mu;
+  RequestRing ring_in;
+  std::atomic<bool> ring_in_ready{false};
+  uint64_t ring_in_next = 0;  // under ring_in_mu
 };
 
 // Work for a copy worker: serve a request of `conn`'s peer, or (notify_for
@@ -253,6 +288,8 @@ class ShmTransport final : public Transport {
   // way. Returns at once when another thread is reading it.
   void progress(const Transfer& transfer) override;
   void test_progress(const Transfer& transfer) override { progress(transfer); }
+  // A waiter goes to sleep: answers in the request ring must wake it now.
+  void stop_polling(const Transfer& transfer, bool finished) override;
   // Each poll is a recvmsg (about a microsecond): a few pauses between two.
   uint32_t progress_spins() const override { return 16; }
 
@@ -342,6 +379,28 @@ class ShmTransport final : public Transport {
   // After the last response of `t`: the write's notification, or completion.
   void finish(const std::shared_ptr<Connection>& c, const std::shared_ptr<Transfer>& t);
 
+  // --- request rings (shm_ring.cc) ---
+  // Initiator: posts `frame` in the ring if it may go there (entry.bytes
+  // small enough, no socket request unanswered, its slot free); under c.mu,
+  // with `id` registered pending. False: send it on the socket.
+  bool ring_post_locked(Connection& c, uint64_t id, const Bytes& frame, Pending& entry);
+  // After a ring post: wakes the peer unless it polls its rings.
+  void ring_wake_peer(Connection& c);
+  // Initiator: handles every answer in our ring (any thread, each once).
+  void ring_harvest(Connection& c);
+  // Target: serves the requests posted in the peer's ring, in order; the
+  // number served. `wait`: take the ring even if another thread serves it.
+  uint32_t ring_serve(Connection& c, bool wait);
+  // A RING frame: maps the peer's ring (its descriptor in c.rx_fds).
+  Status on_ring(Connection& c, ByteView body);
+  // The handshake chose rings: our ring for the peer.
+  Status make_ring_out(Connection& c);
+  // The I/O thread's ring work per loop: serve and harvest, the polling flag
+  // while busy; the longest it may sleep (-1: no limit).
+  int ring_io_turn(bool busy);
+  // Answers of a socket RESPONSE or a ring slot (ring_slot >= 0).
+  Status handle_response(Connection& c, const Response& response, int ring_slot);
+
   // --- both ---
   // Sends one whole frame (blocking, bounded by shm.send_timeout_ms).
   Status send_frame(Connection& c, const Bytes& frame);
@@ -394,6 +453,16 @@ class ShmTransport final : public Transport {
   // steady_clock ticks when a peer's request was last read: the I/O thread
   // polls for shm.busy_poll_us after it.
   std::atomic<int64_t> last_request_ticks_{0};
+  // Connections with request rings, for the I/O thread (under io_mu_), and
+  // a generation it compares to its copy's.
+  std::vector<std::shared_ptr<Connection>> ring_conns_;
+  std::atomic<uint64_t> ring_conns_gen_{0};
+  std::vector<std::shared_ptr<Connection>> io_ring_conns_;  // I/O thread's copy
+  uint64_t io_ring_conns_gen_ = 0;
+  bool io_rings_flagged_ = false;             // I/O thread: target_polling raised in the rings
+  std::atomic<uint64_t> ring_posted_{0};      // our requests that went by the ring (counters())
+  std::atomic<uint64_t> ring_requests_{0};    // requests served from rings (counters())
+  std::atomic<uint64_t> ring_wakes_sent_{0};  // RING_WAKE frames sent (counters())
 };
 
 }  // namespace ferry::shm

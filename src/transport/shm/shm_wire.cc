@@ -25,7 +25,7 @@ constexpr wire_codec::FrameFormat kFormat{kCodec,
                                           kFrameMagic,
                                           kWireVersion,
                                           static_cast<uint8_t>(Op::kHello),
-                                          static_cast<uint8_t>(Op::kCancel),
+                                          static_cast<uint8_t>(Op::kRingWake),
                                           &op_rules};
 
 Bytes frame(Op op, const Bytes& body, uint8_t flags = 0) {
@@ -52,6 +52,10 @@ const char* op_name(Op op) {
       return "RESPONSE";
     case Op::kCancel:
       return "CANCEL";
+    case Op::kRing:
+      return "RING";
+    case Op::kRingWake:
+      return "RING_WAKE";
   }
   return "UNKNOWN";
 }
@@ -92,6 +96,10 @@ uint64_t max_body_bytes(Op op) {
       return kResponseFixedBytes + kMaxMessageBytes;
     case Op::kCancel:
       return 8 + uint64_t{kMaxCancelIds} * 8;
+    case Op::kRing:
+      return kRingBodyBytes;
+    case Op::kRingWake:
+      return 0;
   }
   return 0;
 }
@@ -236,6 +244,28 @@ Result<std::vector<uint64_t>> decode_cancel(ByteView body) {
   return ids;
 }
 
+// -------------------------------------------------------------------- ring ---
+
+Bytes encode_ring(uint64_t ring_bytes) {
+  Bytes body;
+  ByteWriter w(body);
+  w.u64(ring_bytes);
+  return frame(Op::kRing, body);
+}
+
+Result<uint64_t> decode_ring(ByteView body) {
+  if (body.size() != kRingBodyBytes) {
+    return err::ProtocolError(
+        fmt::format("RING of {} bytes, expected {}", body.size(), kRingBodyBytes));
+  }
+  ByteReader r(body);
+  return r.u64();
+}
+
+Bytes encode_ring_wake() {
+  return frame(Op::kRingWake, Bytes{});
+}
+
 // --------------------------------------------------------------- handshake ---
 
 namespace {
@@ -265,7 +295,7 @@ uint8_t handshake_flags(const Status& status, const std::string& refusal, uint64
 Status take_handshake_message(ByteReader& r, uint16_t code, uint8_t flags, uint32_t length,
                               uint64_t staging_bytes, const char* what, Status* status,
                               std::string* refusal) {
-  if ((flags & ~(kHandshakeCmaRefused | kHandshakeArea)) != 0) {
+  if ((flags & ~(kHandshakeCmaRefused | kHandshakeArea | kHandshakeRing)) != 0) {
     return err::ProtocolError(fmt::format("{} with unknown flags {:#04x}", what, flags));
   }
   if (Status s = wire_codec::take_status(kCodec, r, code, length, what, status); !s.ok()) return s;
@@ -358,7 +388,7 @@ Result<HelloAck> decode_hello_ack(ByteView body) {
   a.probe_address = r.u64();
   a.probe_length = r.u32();
   // Unknown bits are ignored, as older engines ignored the whole field.
-  a.features = r.u32() & kFeatureGpuAreas;
+  a.features = r.u32() & (kFeatureGpuAreas | kFeatureRequestRing);
   a.probe_value = r.u64();
   a.staging_bytes = r.u64();
   if (!r.ok())
@@ -384,8 +414,9 @@ Bytes encode_hello_done(const HelloDone& done) {
   Bytes body;
   ByteWriter w(body);
   const std::string& message = handshake_message(done.status, done.cma_refusal);
-  put_handshake_head(w, done.status, done.status.ok() ? done.mode : Mode::kAuto,
-                     handshake_flags(done.status, done.cma_refusal, done.staging_bytes), message);
+  uint8_t flags = handshake_flags(done.status, done.cma_refusal, done.staging_bytes);
+  if (done.status.ok() && done.request_ring) flags |= kHandshakeRing;
+  put_handshake_head(w, done.status, done.status.ok() ? done.mode : Mode::kAuto, flags, message);
   w.u64(done.status.ok() ? done.staging_bytes : 0);
   const std::string_view m = wire_codec::clipped(kCodec, message);
   w.bytes(m.data(), m.size());
@@ -414,6 +445,7 @@ Result<HelloDone> decode_hello_done(ByteView body) {
   if (d.status.ok() && d.mode == Mode::kAuto) {
     return err::ProtocolError("HELLO_DONE accepts the connection but names no mode");
   }
+  d.request_ring = (flags & kHandshakeRing) != 0;
   // Staging needs the area; cross-memory attach may bring one for GPU memory
   // (kFeatureGpuAreas), which the acceptor checks against what it offered.
   if (d.status.ok() && d.mode == Mode::kStaging && d.staging_bytes == 0) {

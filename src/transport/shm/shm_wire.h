@@ -34,6 +34,11 @@
 //               u64 offset | u64 length | u64 initiator address (staged: area offset) |
 //               u8 access | u8[7] reserved                                    (64 bytes each)
 //   RESPONSE    u64 request id | u16 status | u16 reserved | u32 message length | message
+//   RING        u64 ring bytes; the sender's request ring (a sealed memfd) rides along
+//               (SCM_RIGHTS). Sent once by each side right after a handshake that chose
+//               request rings (kFeatureRequestRing, kHandshakeRing), before any request.
+//   RING_WAKE   no body: the sender put requests (or answers) in a ring while the receiver
+//               was not polling it (shm_request_ring.h)
 //
 // All integers are little endian. A receiver checks every length before it
 // trusts it: the header's body_bytes against the op's limit, then the body's
@@ -85,7 +90,9 @@ enum class Op : uint8_t {
   kReadReq = 5,    // the target pushes its region's bytes to the initiator
   kNotifyReq = 6,  // notification only (no segments)
   kResponse = 7,
-  kCancel = 8,  // the initiator gave up on these requests: skip those not yet served
+  kCancel = 8,     // the initiator gave up on these requests: skip those not yet served
+  kRing = 9,       // the sender's request ring (its memfd rides along): shm_request_ring.h
+  kRingWake = 10,  // empty: the sender put requests or answers in a ring nobody polls
 };
 const char* op_name(Op op);
 inline bool is_request(Op op) {
@@ -108,6 +115,13 @@ constexpr uint8_t kHandshakeArea = 2;
 
 // HELLO_ACK features.
 constexpr uint32_t kFeatureGpuAreas = 1;
+// The acceptor takes small requests through shared-memory request rings
+// (shm.request_ring): the connecting engine may answer with kHandshakeRing.
+constexpr uint32_t kFeatureRequestRing = 2;
+// HELLO_DONE flag: request rings on this connection (only after
+// kFeatureRequestRing): each side sends a RING frame right after the
+// handshake, before any request.
+constexpr uint8_t kHandshakeRing = 4;
 
 struct FrameHeader {
   uint16_t version = kWireVersion;
@@ -187,6 +201,7 @@ struct HelloDone {
   Mode mode = Mode::kCma;      // the connection's: kCma or kStaging (status Ok)
   std::string cma_refusal;     // the connecting engine's probe failed: why
   uint64_t staging_bytes = 0;  // > 0: the connecting engine's staging area rides along
+  bool request_ring = false;   // kHandshakeRing
 };
 
 // Encoders return whole frames (header + body), ready to send.
@@ -198,6 +213,12 @@ Bytes encode_response(uint64_t id, const Status& status);
 Bytes encode_hello(const Hello& hello);
 Bytes encode_hello_ack(const HelloAck& ack);
 Bytes encode_hello_done(const HelloDone& done);
+
+// RING body: u64 ring bytes (the memfd rides along); RING_WAKE: no body.
+constexpr size_t kRingBodyBytes = 8;
+Bytes encode_ring(uint64_t ring_bytes);
+Result<uint64_t> decode_ring(ByteView body);
+Bytes encode_ring_wake();
 
 // Decoders take the body of a frame whose header decode_header accepted.
 Result<Request> decode_request(const FrameHeader& header, ByteView body);
