@@ -34,14 +34,22 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     return y + ((static_cast<uint64_t>(le) * W + s) * a.max_tokens + slot) * row_vectors;
   };
   // Lane j < n holds entry j of a meta record: its row in y and its weight.
+  // The header and the entries come in one load (lane 0: header, lane 1 + j:
+  // entry j; top-32's last entry separately).
   auto load_entries = [&](const int4* rec, int s, const int4** row, float* weight) -> unsigned {
-    const int4 head = rec[0];
-    if (static_cast<uint32_t>(head.x) != round32) return 0u;  // no choice of this token here
-    const int n = head.y < K ? head.y : K;
+    const int4 mine = lane <= K ? rec[lane] : make_int4(0, 0, 0, 0);
+    const int tag = __shfl_sync(kFullMask, mine.x, 0);
+    const int count = __shfl_sync(kFullMask, mine.y, 0);
+    if (static_cast<uint32_t>(tag) != round32) return 0u;  // no choice of this token here
+    int4 entry;
+    entry.x = __shfl_down_sync(kFullMask, mine.x, 1);
+    entry.y = __shfl_down_sync(kFullMask, mine.y, 1);
+    entry.z = __shfl_down_sync(kFullMask, mine.z, 1);
+    const int n = count < K ? count : K;
+    if (lane == 31 && n == 32) entry = rec[32];
     *row = nullptr;
     *weight = 0.f;
     if (lane < n) {
-      const int4 entry = rec[1 + lane];
       if (entry.x >= 0 && entry.x < E && entry.y >= 0 && entry.y < a.max_tokens) {
         *row = y_row(entry.x, s, entry.y);
         *weight = __int_as_float(entry.z);
@@ -94,6 +102,10 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     const int t = static_cast<int>(w / static_cast<unsigned>(out_chunks));
     const int c = static_cast<int>(w % static_cast<unsigned>(out_chunks));
     const unsigned remote = a.remote_members[t];
+    // This member's own rows first: their loads need no signal.
+    const int4* row = nullptr;
+    float weight = 0.f;
+    const unsigned own_lanes = load_entries(at.meta(me, me, t), me, &row, &weight);
     // Lane d waits for member d; then every lane acquires every such signal
     // itself, so that its loads of the partial rows see them.
     const bool mine = lane < W && lane != me && ((remote >> lane) & 1u) != 0;
@@ -104,9 +116,6 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     }
     const int4* partial = mine ? at.partial_row(me, lane, t) : nullptr;
     const unsigned partial_lanes = __ballot_sync(kFullMask, mine);
-    const int4* row = nullptr;
-    float weight = 0.f;
-    const unsigned own_lanes = load_entries(at.meta(me, me, t), me, &row, &weight);
     uint64_t first = 0, end = 0;
     moe::chunk_range(row_vectors, out_chunks, c, &first, &end);
     moe::weighted_sum(out + static_cast<uint64_t>(t) * row_vectors, row, weight, own_lanes, partial,

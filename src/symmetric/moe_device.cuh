@@ -155,19 +155,31 @@ __device__ __forceinline__ void weighted_sum(int4* dst, const int4* row, float w
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
     }
-    for (unsigned m = weighted_lanes; m != 0; m &= m - 1) {
-      const int from = __ffs(static_cast<int>(m)) - 1;
-      const auto* r = reinterpret_cast<const int4*>(
-          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), from));
-      const float w = __shfl_sync(kFullMask, weight, from);
-      int4 v[kUnroll];
+    // Two rows at a time, so that each lane has 2 x kUnroll loads in flight.
+    for (unsigned m = weighted_lanes; m != 0;) {
+      const int from_a = __ffs(static_cast<int>(m)) - 1;
+      m &= m - 1;
+      const int from_b = m != 0 ? __ffs(static_cast<int>(m)) - 1 : from_a;
+      const bool two = m != 0;
+      if (two) m &= m - 1;
+      const auto* ra = reinterpret_cast<const int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), from_a));
+      const auto* rb = reinterpret_cast<const int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), from_b));
+      const float wa = __shfl_sync(kFullMask, weight, from_a);
+      const float wb = two ? __shfl_sync(kFullMask, weight, from_b) : 0.f;
+      int4 va[kUnroll], vb[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
-        v[u] = i < end ? device::load_stream(r + i) : make_int4(0, 0, 0, 0);
+        va[u] = i < end ? device::load_stream(ra + i) : make_int4(0, 0, 0, 0);
+        vb[u] = two && i < end ? device::load_stream(rb + i) : make_int4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) add_weighted(acc[u], v[u], w);
+      for (int u = 0; u < kUnroll; ++u) {
+        add_weighted(acc[u], va[u], wa);
+        add_weighted(acc[u], vb[u], wb);
+      }
     }
     for (unsigned m = plain_lanes; m != 0; m &= m - 1) {
       const int from = __ffs(static_cast<int>(m)) - 1;

@@ -78,26 +78,37 @@ __device__ int prefix_slot(const int64_t* topk_idx, int t, int K, int64_t e, int
   return e >= 0 ? count : -1;
 }
 
-// Step 2, by the warp that finished the last send unit: lane d takes member
-// d's experts' counts, writes them into d's counts area and signals d; its
-// release covers its own count stores, and finish_unit ordered every unit's
-// data before this warp.
+// Calls of at most this many tokens send each (token, expert) row straight
+// into the expert's recv_x row on its member instead of staging it there once:
+// a few more NVLink bytes, but the receiver has nothing to copy after the
+// signal (its fan-out is the latency a tiny call pays). The signal says so.
+constexpr int kDirectTokens = 8;
+constexpr uint64_t kDirectFlag = 1ull << 31;  // in the dispatch signal's token field
+
+// Step 2, by the warp that finished the last send unit: the lanes take the
+// experts' counts all at once (one round trip, not one per expert) and write
+// each into its member's counts area; after a fence that orders every lane's
+// count stores, lane d signals member d (release, system scope). finish_unit
+// ordered every unit's data before this warp.
 __device__ void send_counts(const MoeKernelArgs& a, const moe::Layout& at, int lane) {
   const DeviceTeam& team = a.team;
   const int W = team.size, E = a.experts_per_rank, me = team.rank;
   const int parity = static_cast<int>(a.round & 1);
-  const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens);
-  for (int d = lane; d < W; d += 32) {
-    int32_t* counts = d == me ? nullptr : at.counts(d, parity, me);
-    for (int le = 0; le < E; ++le) {
-      int count = atomicExch(&a.slot_counter[d * E + le], 0);
-      if (count > a.max_tokens) count = a.max_tokens;  // the overflow was recorded in step 1
-      if (d == me) {
-        a.recv_count[le * W + me] = count;
-      } else {
-        counts[le] = count;
-      }
+  for (int e = lane; e < W * E; e += 32) {
+    int count = atomicExch(&a.slot_counter[e], 0);
+    if (count > a.max_tokens) count = a.max_tokens;  // the overflow was recorded in step 1
+    const int d = e / E, le = e % E;
+    if (d == me) {
+      a.recv_count[le * W + me] = count;
+    } else {
+      at.counts(d, parity, me)[le] = count;
     }
+  }
+  __syncwarp();
+  device::fence();
+  const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens) |
+                         (a.num_tokens <= kDirectTokens ? kDirectFlag : 0ull);
+  for (int d = lane; d < W; d += 32) {
     if (d != me) {
       device::signal(team, d, a.dispatch_slot + static_cast<uint32_t>(parity * W + me), value);
     }
@@ -119,6 +130,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   const int chunks = moe::chunks_per_row(row_vectors, a.num_tokens, g.warps);
   const unsigned units = static_cast<unsigned>(a.num_tokens * chunks);
   const bool by_prefix = chunks > 1 && a.num_tokens <= kPrefixSlotTokens;
+  const bool direct = a.num_tokens <= kDirectTokens;
   bool last = units == 0 && g.warp == 0;
   for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
     const int t = static_cast<int>(w) / chunks, c = static_cast<int>(w) % chunks;
@@ -166,8 +178,8 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     const int n = __popc(same);
     // Destinations: own experts' rows here; one stage row per other member.
     int4* dst = nullptr;
-    if (valid && d == me) dst = at.recv_row(me, le, me, slot);
-    if (valid && d != me && j == 0) dst = at.stage_row(d, me, t);
+    if (valid && (d == me || direct)) dst = at.recv_row(d, le, me, slot);
+    if (valid && d != me && !direct && j == 0) dst = at.stage_row(d, me, t);
     const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
     uint64_t first = 0, end = 0;
     moe::chunk_range(row_vectors, chunks, c, &first, &end);
@@ -181,7 +193,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
         int4* rec = at.meta(d, me, t);
         rec[1 + j] = make_int4(le, slot, __float_as_int(weight), 0);
         if (j == 0) rec[0] = make_int4(static_cast<int>(round32), n, 0, 0);
-        if (d == me) *at.recv_src(me, le, me, slot) = t;
+        if (d == me || direct) *at.recv_src(d, le, me, slot) = t;
       }
     }
     if (moe::finish_unit(a.units_done, units, lane)) last = true;
@@ -192,39 +204,54 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
 
   // 3. fan out every other member's staged rows, the members in turn from
   // different warps so that every warp has work whatever the counts.
+  // Only as many warps as the rows this member expects (as many tokens from
+  // each other member as it has itself) take part, so that few warps poll the
+  // signals in small calls; more rows than that are still all copied.
   const int parity = static_cast<int>(a.round & 1);
-  const int fan_chunks = moe::chunks_per_row(
-      row_vectors, (a.num_tokens > 0 ? a.num_tokens : 1) * (W > 1 ? W - 1 : 1), g.warps);
-  for (int i = 1; i < W; ++i) {
+  const int expected_rows = (a.num_tokens > 0 ? a.num_tokens : 1) * (W > 1 ? W - 1 : 1);
+  const int fan_chunks = moe::chunks_per_row(row_vectors, expected_rows, g.warps);
+  const int64_t fan_units = static_cast<int64_t>(expected_rows) * fan_chunks;
+  const int fan_warps = fan_units < g.warps ? static_cast<int>(fan_units) : g.warps;
+  for (int i = 1; i < W && g.warp < fan_warps; ++i) {
     const int s = (me + i) % W;
     const uint64_t v = moe::warp_wait(team, a.dispatch_slot + static_cast<uint32_t>(parity * W + s),
                                       a.round << 32, lane);
-    int tokens = static_cast<int>(v & 0xffffffffull);
+    int tokens = static_cast<int>(v & 0x7fffffffull);
     if (tokens > a.max_tokens) tokens = a.max_tokens;
-    if (g.warp == s % g.warps) {
+    if (g.warp == s % fan_warps) {
       for (int l = lane; l < E; l += 32) {
         int count = v != 0 ? at.counts(me, parity, s)[l] : 0;
         a.recv_count[l * W + s] = count < a.max_tokens ? count : a.max_tokens;
       }
       if (lane == 0) a.tokens_from[s] = tokens;
     }
-    const unsigned s_units = static_cast<unsigned>(tokens * fan_chunks);
-    const unsigned offset = static_cast<unsigned>((static_cast<uint64_t>(i - 1) * g.warps) / W);
-    const unsigned start =
-        (static_cast<unsigned>(g.warp) + static_cast<unsigned>(g.warps) - offset) %
-        static_cast<unsigned>(g.warps);
-    for (unsigned w = start; w < s_units; w += static_cast<unsigned>(g.warps)) {
+    // Rows sent straight to their experts need no copy here.
+    const unsigned s_units =
+        (v & kDirectFlag) != 0 ? 0u : static_cast<unsigned>(tokens * fan_chunks);
+    const unsigned stride = static_cast<unsigned>(fan_warps);
+    const unsigned offset = static_cast<unsigned>((static_cast<uint64_t>(i - 1) * stride) / W);
+    const unsigned start = (static_cast<unsigned>(g.warp) + stride - offset) % stride;
+    for (unsigned w = start; w < s_units; w += stride) {
       const int t = static_cast<int>(w) / fan_chunks, c = static_cast<int>(w) % fan_chunks;
       const int4* rec = at.meta(me, s, t);
-      const int4 head = rec[0];
-      if (static_cast<uint32_t>(head.x) != round32) continue;  // token t chose none here
-      const int n = head.y < K ? head.y : K;
+      // The header and the entries in one load (lane 0: header, lane 1 + j: entry j).
+      const int4 mine = lane <= K ? rec[lane] : make_int4(0, 0, 0, 0);
+      const int tag = __shfl_sync(kFullMask, mine.x, 0);
+      const int count = __shfl_sync(kFullMask, mine.y, 0);
+      if (static_cast<uint32_t>(tag) != round32) continue;  // token t chose none here
+      int entry_le = __shfl_down_sync(kFullMask, mine.x, 1);
+      int entry_slot = __shfl_down_sync(kFullMask, mine.y, 1);
+      const int n = count < K ? count : K;
+      if (lane == 31 && n == 32) {  // top-32: the last entry is past the lanes
+        const int4 e32 = rec[32];
+        entry_le = e32.x;
+        entry_slot = e32.y;
+      }
       int4* dst = nullptr;
       int le = -1, slot = -1;
       if (lane < n) {
-        const int4 entry = rec[1 + lane];
-        le = entry.x;
-        slot = entry.y;
+        le = entry_le;
+        slot = entry_slot;
         if (le >= 0 && le < E && slot >= 0 && slot < a.max_tokens) {
           dst = at.recv_row(me, le, s, slot);
         }
