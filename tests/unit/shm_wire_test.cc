@@ -197,7 +197,7 @@ TEST(ShmWire, BadHeadersAreRejected) {
     EXPECT_FALSE(decode_header(g.span()).ok()) << n;
   }
   EXPECT_FALSE(decode_header(header_bytes(0x12345678, kWireVersion, write, 0, 100)).ok());
-  for (uint8_t op : {uint8_t{0}, uint8_t{9}, uint8_t{255}}) {
+  for (uint8_t op : {uint8_t{0}, uint8_t{11}, uint8_t{255}}) {
     auto h = decode_header(header_bytes(kFrameMagic, kWireVersion, op, 0, 0));
     ASSERT_FALSE(h.ok());
     EXPECT_EQ(h.status().code(), StatusCode::kProtocolError);
