@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cuda/batch_api.h"
+#include "cuda/copy_stream_knobs.h"
 #include "cuda/cuda_detect.h"
 #include "cuda/cuda_util.h"
 #include "cuda/gather_kernel.h"
@@ -35,22 +36,14 @@
 namespace ferry {
 namespace {
 
+using cuda::AfterDefault;
 using cuda::CopyDesc;
 using cuda::cuda_status;
+using cuda::Knobs;
 
 // Kernel work item: larger kernel-path blocks are split so that warps share
 // the work of a few big blocks.
 constexpr uint64_t kChunk = 16 * 1024;
-// Launch schedule of a large batch: the first slice has kFirstSlice
-// descriptors, each next one kSliceGrowth times more, up to kMaxSlice. The
-// host classifies a block in ~25 ns; the GPU copies a 4 KiB block over PCIe
-// in ~75 ns. While the GPU runs slice k the host must classify slice k+1, so
-// growth must stay below ~3: with 4x (the old schedule, from 1024) the GPU
-// idled ~150 us of a 5 ms copy waiting for slices 2 and 3. 2x keeps the GPU
-// fed from the first slice on; a small first slice starts it after ~6 us.
-constexpr uint32_t kFirstSlice = 256;
-constexpr uint32_t kSliceGrowth = 2;
-constexpr uint32_t kMaxSlice = 1u << 15;
 // Batches up to this many blocks are scanned once before anything is
 // enqueued, to learn whether they mix both paths (the copy engine then runs
 // on a forked stream). Larger ones skip the scan -- it would delay the first
@@ -61,74 +54,6 @@ constexpr size_t kPrescanMax = 4096;
 constexpr size_t kDescAlign = 16;
 // Submissions in flight before submit() waits for the oldest.
 constexpr size_t kMaxPending = 1024;
-
-// Diagnostic knobs, read when a stream is created (docs/gpu.md):
-//   FERRY_GATHER_HOST_LOAD = cv | cs | pf256   how the kernel reads host memory
-//   FERRY_GATHER_CE_EVERY  = n                 every n-th kernel block to the copy engine
-//   FERRY_GATHER_SLICES    = first,growth,max  launch schedule of a large batch
-//   FERRY_COPY_AFTER_DEFAULT = blocking | query | event  how after_default_stream
-//       is kept: a blocking stream; a query of the legacy stream per submission
-//       (an event only when it is busy); an event recorded there per submission
-enum class AfterDefault : uint8_t { kBlocking, kQuery, kEvent };
-struct Knobs {
-  cuda::GatherConfig gather;
-  uint32_t ce_every = 0;
-  uint32_t first_slice = kFirstSlice;
-  uint32_t slice_growth = kSliceGrowth;
-  uint32_t max_slice = kMaxSlice;
-  AfterDefault after_default = AfterDefault::kBlocking;
-};
-
-Result<Knobs> read_knobs() {
-  Knobs k;
-  if (const char* v = std::getenv("FERRY_COPY_AFTER_DEFAULT"); v != nullptr && *v != 0) {
-    const std::string s(v);
-    if (s == "blocking") {
-      k.after_default = AfterDefault::kBlocking;
-    } else if (s == "query") {
-      k.after_default = AfterDefault::kQuery;
-    } else if (s == "event") {
-      k.after_default = AfterDefault::kEvent;
-    } else {
-      return err::InvalidArgument("FERRY_COPY_AFTER_DEFAULT=" + s +
-                                  ": expected blocking, query or event");
-    }
-  }
-  if (const char* v = std::getenv("FERRY_GATHER_HOST_LOAD"); v != nullptr && *v != 0) {
-    const std::string s(v);
-    if (s == "cv") {
-      k.gather.host_load = cuda::HostLoad::kFetchAgain;
-    } else if (s == "cs") {
-      k.gather.host_load = cuda::HostLoad::kStreaming;
-    } else if (s == "pf256") {
-      k.gather.host_load = cuda::HostLoad::kPrefetch256;
-    } else {
-      return err::InvalidArgument("FERRY_GATHER_HOST_LOAD=" + s + ": expected cv, cs or pf256");
-    }
-  }
-  if (const char* v = std::getenv("FERRY_GATHER_CE_EVERY"); v != nullptr && *v != 0) {
-    char* end = nullptr;
-    const unsigned long n = std::strtoul(v, &end, 10);
-    if (end == v || *end != 0 || n > 1000000) {
-      return err::InvalidArgument(std::string("FERRY_GATHER_CE_EVERY=") + v +
-                                  ": expected a count (0 = off)");
-    }
-    k.ce_every = static_cast<uint32_t>(n);
-  }
-  if (const char* v = std::getenv("FERRY_GATHER_SLICES"); v != nullptr && *v != 0) {
-    unsigned first = 0, growth = 0, max = 0;
-    char extra = 0;
-    if (std::sscanf(v, "%u,%u,%u%c", &first, &growth, &max, &extra) != 3 || first == 0 ||
-        growth == 0 || growth > 64 || max < first || max > (1u << 24)) {
-      return err::InvalidArgument(std::string("FERRY_GATHER_SLICES=") + v +
-                                  ": expected first,growth,max (e.g. 256,2,32768)");
-    }
-    k.first_slice = first;
-    k.slice_growth = growth;
-    k.max_slice = max;
-  }
-  return k;
-}
 
 std::string hex(const void* p) {
   char buf[32];
@@ -416,8 +341,7 @@ struct CopyStream::Impl {
     if (resident == nullptr) {
       cuda::ResidentCopier::Options ro;
       ro.linger = std::chrono::microseconds(o.resident_linger_us);
-      const char* g = std::getenv("FERRY_RESIDENT_GATE");  // for measurement
-      ro.query_default_stream = g == nullptr || std::string_view(g) != "always";
+      ro.query_default_stream = !knobs.resident_gate_always;
       auto r = cuda::ResidentCopier::create(device, ro);
       if (!r.ok()) {
         resident_unavailable = true;
@@ -721,7 +645,7 @@ Result<std::unique_ptr<CopyStream>> CopyStream::create(int device, CopyOptions o
     return err::InvalidArgument("CUDA device " + std::to_string(device) + " out of range (" +
                                 std::to_string(n) + " device(s) visible)");
   }
-  Result<Knobs> knobs = read_knobs();
+  Result<Knobs> knobs = cuda::read_knobs();
   if (!knobs.ok()) return knobs.status();
   auto impl = std::make_unique<Impl>();
   impl->device = device;

@@ -284,9 +284,15 @@ void FabricTransport::fail_peer(const std::shared_ptr<Peer>& p, const Status& re
     }
     failed = mine.size();
     for (auto& j : mine) {
-      fail_job_locked(j, why);
-      drop_queued_locked(*j);  // nothing more of it is posted (see cancel())
+      // Nothing more of it is posted (see cancel()). What the provider holds
+      // already may still write its buffers -- a stopped peer resumes and
+      // answers -- so the transfer fails when the last of that comes back.
+      j->stopped = true;
+      if (j->error.ok()) j->error = why;
+      drop_queued_locked(*j);
+      maybe_finish_locked(j);
     }
+    notify_job_waiters_locked();
   }
   {
     std::lock_guard lock(export_mu_);

@@ -635,13 +635,20 @@ void FabricTransport::cancel(Transfer& transfer) {
   // stalled peer holds full, that is never, and every call cancelled there
   // would stay queued with its segment list.
   drop_queued_locked(*job);
-  // Ops already handed to the provider cannot be called back: wait until they
-  // complete (or the peer is declared dead, which bounds the wait).
+  // Ops already handed to the provider cannot be called back: wait until the
+  // provider gives them back. A dead peer does not end the wait -- a stopped
+  // one resumes and its answers still land in the buffers -- only the bound.
   ++job_waiters_;
-  job_cv_.wait_for(lock, opt_.peer_timeout + std::chrono::seconds(1), [&] {
-    return (job->done == job->posted || job->peer->dead.load()) && job->copies == 0;
-  });
+  const bool returned = job_cv_.wait_for(
+      lock, opt_.cancel_timeout, [&] { return job->done == job->posted && job->copies == 0; });
   --job_waiters_;
+  if (!returned) {
+    spdlog::error(
+        "ferry: fabric: cancel of transfer {} to {} gave up after {} ms "
+        "(fabric.cancel_timeout_ms): the provider still holds {} of its operations and may "
+        "still touch its buffers",
+        transfer.id(), describe(*job->peer), opt_.cancel_timeout.count(), job->posted - job->done);
+  }
   maybe_finish_locked(job);
 }
 

@@ -76,7 +76,9 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
   if (op->kind == Op::kSend) {
     std::shared_ptr<Job> job = std::move(op->job);
     give_op(op);
-    if (!job) return;
+    // A job failed meanwhile (its peer declared dead) is finished already:
+    // finishing it twice would take another job's place in live_jobs_.
+    if (!job || job->finished) return;
     if (!error.ok()) {
       fail_job_locked(job, error);
       return;

@@ -68,6 +68,11 @@ const OptionSpec kFabricOptionSpecs[] = {
     {"fabric.peer_timeout_ms", OptionType::kDurationMs, "1500",
      "a peer not heard from (keepalive) this long is declared dead and its transfers fail", 100,
      600000},
+    {"fabric.cancel_timeout_ms", OptionType::kDurationMs, "10000",
+     "how long cancel() waits for the operations of a transfer the provider already holds (a "
+     "stopped peer's hold them until it resumes); past it cancel() returns, logs an error naming "
+     "the transfer, and the provider may still touch its buffers",
+     1, 600000},
     {"fabric.poll_spin_us", OptionType::kUint, "50",
      "the progress thread polls the completion queue this long after its last event before it "
      "sleeps (a provider with manual progress moves bytes only while polled)",
@@ -384,6 +389,7 @@ Status FabricTransport::start_unmasked(const TransportContext& context) {
   opt_.connect_timeout = std::chrono::milliseconds(o.get_uint("fabric.connect_timeout_ms"));
   opt_.grant_timeout = std::chrono::milliseconds(o.get_uint("fabric.grant_timeout_ms"));
   opt_.peer_timeout = std::chrono::milliseconds(o.get_uint("fabric.peer_timeout_ms"));
+  opt_.cancel_timeout = std::chrono::milliseconds(o.get_uint("fabric.cancel_timeout_ms"));
   opt_.poll_spin = std::chrono::microseconds(o.get_uint("fabric.poll_spin_us"));
   opt_.combine_after = static_cast<uint32_t>(o.get_uint("fabric.combine_after"));
   opt_.combine_max_bytes = o.get_uint("fabric.combine_max_bytes");

@@ -29,7 +29,9 @@
 // batches larger than the window queue and are posted as completions free
 // room, without per-iov allocation. A peer that has not been heard from for
 // fabric.peer_timeout_ms (keepalive PING/PONG) is declared dead and every
-// transfer to it fails with PeerDisconnected.
+// transfer to it fails with PeerDisconnected -- once the provider has given
+// back every operation of it already posted: until then the provider may
+// still write the transfer's buffers (a peer stopped, not dead, resumes).
 //
 // GPU memory (docs/fabric.md, "GPU memory"): where the provider offers FI_HMEM
 // (fabric.hmem), GPU regions are registered with fi_mr_regattr
@@ -94,6 +96,7 @@ struct FabricOptions {
   std::chrono::milliseconds connect_timeout{5000};
   std::chrono::milliseconds grant_timeout{10000};
   std::chrono::milliseconds peer_timeout{1500};
+  std::chrono::milliseconds cancel_timeout{10000};
   std::chrono::microseconds poll_spin{50};
   uint32_t combine_after = 2;
   uint64_t combine_max_bytes = 64 << 10;
