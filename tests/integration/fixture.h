@@ -2,8 +2,10 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <string>
 #include <thread>
@@ -50,6 +52,23 @@ class LocalBuffer {
   Buffer buf_;
   RegionId region_ = 0;
 };
+
+// SIGSTOP, then waits until the kernel shows the process stopped ('T' in
+// /proc/PID/stat): kill() returns before a running target has stopped, and
+// it may answer a frame or two meanwhile.
+inline void Stop(TestPeer& peer) {
+  peer.process().Kill(SIGSTOP);
+  const std::string path = "/proc/" + std::to_string(peer.process().pid()) + "/stat";
+  for (int i = 0; i < 2000; ++i) {
+    std::ifstream in(path);
+    std::string stat;
+    std::getline(in, stat);
+    const size_t paren = stat.rfind(')');
+    if (paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] == 'T') return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ADD_FAILURE() << "peer " << peer.process().pid() << " did not stop";
+}
 
 // True if `text` contains `prefix`, then at most `max_gap` non-digits, then
 // the decimal `n` not followed by another digit ("region 7", "region=7").

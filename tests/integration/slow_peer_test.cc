@@ -84,23 +84,6 @@ std::unique_ptr<TestPeer> Peer(uint64_t size) {
   return StartPeer(o);
 }
 
-// SIGSTOP, then waits until the kernel shows the process stopped ('T' in
-// /proc/PID/stat): kill() returns before a running target has stopped, and
-// it may answer a frame or two meanwhile.
-void Stop(TestPeer& peer) {
-  peer.process().Kill(SIGSTOP);
-  const std::string path = "/proc/" + std::to_string(peer.process().pid()) + "/stat";
-  for (int i = 0; i < 2000; ++i) {
-    std::ifstream in(path);
-    std::string stat;
-    std::getline(in, stat);
-    const size_t paren = stat.rfind(')');
-    if (paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] == 'T') return;
-    std::this_thread::sleep_for(1ms);
-  }
-  ADD_FAILURE() << "peer " << peer.process().pid() << " did not stop";
-}
-
 // Every iov i of `local` (n of `size` bytes) equals the peer's memory at
 // i * 2 * size, checked in one round trip per 128 iovs.
 void ExpectEveryIov(TestPeer& peer, const uint8_t* local, size_t n, uint64_t size) {
