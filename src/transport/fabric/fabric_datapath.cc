@@ -214,7 +214,8 @@ Status FabricTransport::post(PeerId peer, const std::shared_ptr<Transfer>& t,
       // Nothing waits before it: posted here, without a round through queue_
       // (what the window or the provider leaves joins it).
       while (!job->stopped && job->next < segs.size() && inflight_ < opt_.max_inflight &&
-             inflight_bytes_ < opt_.max_inflight_bytes && post_one_locked(*job, job)) {
+             inflight_bytes_ < opt_.max_inflight_bytes && !peer_window_full(*job->peer) &&
+             post_one_locked(*job, job)) {
       }
       if (!job->stopped && job->next < segs.size()) {
         queue_.push_back(job);
@@ -368,6 +369,7 @@ void FabricTransport::note_posted_locked(Peer& p, uint64_t bytes) {
   ++inflight_;
   inflight_bytes_ += bytes;
   ++p.inflight_ops;
+  p.inflight_bytes += bytes;
   ++counts_.rma_ops;
 }
 
@@ -505,6 +507,12 @@ void FabricTransport::pump_locked() {
     if (is_blocked(job->peer->addr) || staged_waiting_locked(*job)) {
       backlog = true;
       ++it;  // a staged group still waits for its slot or copy: not the peer's fault
+      continue;
+    }
+    if (peer_window_full(*job->peer)) {
+      blocked.push_back(job->peer->addr);  // its completions pump it again
+      backlog = true;
+      ++it;
       continue;
     }
     if (combinable(*job)) {

@@ -57,8 +57,9 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
         jobs[k] = k == 0 ? std::move(op->job) : std::move(op->more[k - 1]);
         lengths[k] = op->iov[k].iov_len;
       }
+      const uint64_t op_bytes = op->bytes;
       give_op(op);
-      if (jobs[0]) note_completed(*jobs[0]->peer);
+      if (jobs[0]) note_completed(*jobs[0]->peer, op_bytes);
       for (size_t k = 0; k < n; ++k) {
         if (jobs[k]) rma_done_locked(std::move(jobs[k]), region, -1, lengths[k], error);
       }
@@ -69,7 +70,7 @@ void FabricTransport::on_completion(Op* op, const Status& error) {
     const uint64_t bytes = op->bytes;
     give_op(op);
     if (!job) return;
-    note_completed(*job->peer);
+    note_completed(*job->peer, bytes);
     rma_done_locked(std::move(job), region, group, bytes, error);
     return;
   }

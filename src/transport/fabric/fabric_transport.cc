@@ -61,6 +61,10 @@ const OptionSpec kFabricOptionSpecs[] = {
      65536},
     {"fabric.max_inflight_bytes", OptionType::kBytes, "64MiB",
      "most RMA payload bytes posted and not yet completed", 4096, 1ull << 40},
+    {"fabric.peer_window_percent", OptionType::kUint, "75",
+     "the share of fabric.max_inflight and fabric.max_inflight_bytes that one peer's operations "
+     "may hold, so that a stopped or slow peer leaves the rest to the others; 100: no limit",
+     1, 100},
     {"fabric.connect_timeout_ms", OptionType::kDurationMs, "5000",
      "time allowed for the fabric handshake with a peer", 1, 600000},
     {"fabric.grant_timeout_ms", OptionType::kDurationMs, "10000",
@@ -386,6 +390,10 @@ Status FabricTransport::start_unmasked(const TransportContext& context) {
   opt_.domain = o.get_string("fabric.domain");
   opt_.max_inflight = static_cast<uint32_t>(o.get_uint("fabric.max_inflight"));
   opt_.max_inflight_bytes = o.get_uint("fabric.max_inflight_bytes");
+  opt_.peer_window_percent = static_cast<uint32_t>(o.get_uint("fabric.peer_window_percent"));
+  peer_max_inflight_ = std::max<uint64_t>(1, opt_.max_inflight * opt_.peer_window_percent / 100);
+  peer_max_inflight_bytes_ =
+      std::max<uint64_t>(1, opt_.max_inflight_bytes / 100 * opt_.peer_window_percent);
   opt_.connect_timeout = std::chrono::milliseconds(o.get_uint("fabric.connect_timeout_ms"));
   opt_.grant_timeout = std::chrono::milliseconds(o.get_uint("fabric.grant_timeout_ms"));
   opt_.peer_timeout = std::chrono::milliseconds(o.get_uint("fabric.peer_timeout_ms"));

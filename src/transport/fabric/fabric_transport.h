@@ -93,6 +93,7 @@ struct FabricOptions {
   std::string domain;
   uint32_t max_inflight = 256;
   uint64_t max_inflight_bytes = 64ull << 20;
+  uint32_t peer_window_percent = 75;
   std::chrono::milliseconds connect_timeout{5000};
   std::chrono::milliseconds grant_timeout{10000};
   std::chrono::milliseconds peer_timeout{1500};
@@ -127,7 +128,8 @@ struct Peer {
   // post_mu_ (small operations wait to be combined beyond
   // fabric.combine_after of them).
   uint32_t inflight_ops = 0;
-  uint64_t completed_ops = 0;  // RMA ops to the peer completed; under post_mu_
+  uint64_t inflight_bytes = 0;  // their payload; under post_mu_
+  uint64_t completed_ops = 0;   // RMA ops to the peer completed; under post_mu_
 
   std::mutex mu;
   std::condition_variable cv;
@@ -365,9 +367,16 @@ class FabricTransport final : public Transport {
   ssize_t submit_rma(const struct fi_msg_rma& msg, bool write);
   // An RMA op to `p` of `bytes` went to the provider / completed.
   void note_posted_locked(Peer& p, uint64_t bytes);
-  static void note_completed(Peer& p) {
+  static void note_completed(Peer& p, uint64_t bytes) {
     --p.inflight_ops;
+    p.inflight_bytes -= std::min(bytes, p.inflight_bytes);
     ++p.completed_ops;
+  }
+  // The peer's ops hold their share of the window (fabric.peer_window_percent):
+  // more go out only as some complete, so a stopped peer leaves the rest of
+  // the window to the others.
+  bool peer_window_full(const Peer& p) const {
+    return p.inflight_ops >= peer_max_inflight_ || p.inflight_bytes >= peer_max_inflight_bytes_;
   }
   // Combining small jobs (docs/fabric.md, "Small operations combined"):
   // `job` is one segment of host memory, at most fabric.combine_max_bytes,
@@ -498,6 +507,8 @@ class FabricTransport final : public Transport {
   void remove_live_locked(Job& job);
   std::deque<Op*> send_queue_;  // sends the provider answered EAGAIN to, in order
   uint64_t inflight_ = 0, inflight_bytes_ = 0;
+  // One peer's share of the window (fabric.peer_window_percent), set at start.
+  uint64_t peer_max_inflight_ = 256, peer_max_inflight_bytes_ = 64ull << 20;
   std::atomic<bool> backlog_{false};  // send_queue_ or queue_ not empty after the last pump
   std::vector<Op*> recvs_;
 
