@@ -72,8 +72,12 @@ bool Transfer::wait_until(std::chrono::steady_clock::time_point deadline,
       }
       if (transport != nullptr) transport->progress(*this);
     } while (std::chrono::steady_clock::now() < spin_end);
-    if (transport != nullptr) transport->stop_polling(*this, false);
   }
+  // Going to sleep, spun or not: the transport stops counting on this thread
+  // to poll. An earlier wait that found its transfer done left its lease
+  // running (stop_polling(.., true)); a target that saw it still running
+  // would answer into shm's request ring without waking us.
+  if (transport != nullptr) transport->stop_polling(*this, false);
   sleepers_.fetch_add(1, std::memory_order_seq_cst);
   std::unique_lock lock(mu_);
   const bool done =
