@@ -216,13 +216,6 @@ run_tests() {
 # The rest of the integration suite, and CancelStress (its spinning processes
 # and 256 MiB writes take TSan past the test's deadlines), run under TSan by
 # hand: cmake -DFERRY_TSAN=ON, then ctest with TSAN_OPTIONS as below.
-# Then the Python suite's tests where the engine's threads meet Python's
-# (TSAN_PYTHON_TESTS: two processes, notifications, async transfers and
-# batches, cancel and timeouts, threads sharing an engine, a closed engine
-# waking its waiters, Ctrl-C in a wait), against the extension built in the
-# same tree with -fsanitize=thread; CPython is not instrumented, so gcc's
-# libtsan is preloaded (LD_PRELOAD) into the interpreter and every child it
-# starts. Bounded by `timeout` (TSAN_PYTHON_SECONDS, default 240).
 # Any report fails the stage: halt_on_error stops the process, and every
 # process (the test peers too) writes its reports under $BUILD-tsan/reports/,
 # which must stay empty. tests/tsan.supp says what is suppressed and why.
@@ -230,21 +223,16 @@ TSAN_PROGRAMS=(base64_test codec_test crc32_test engine_config_test options_test
   random_bytes_test region_registry_test shm_staging_test shm_transport_test shm_wire_test
   siphash_test stage_trace_test staging_pool_test transfer_status_test transfer_table_test
   transport_route_test ferry_test_peer transfer_test peer_failure_test)
-TSAN_PYTHON_TESTS=(test_two_process.py test_threads.py test_errors.py test_transports.py
-  test_signals.py)
 TSAN_INTEGRATION='^(TransferTest[.]CancelledWriteNeverOverwritesALaterWrite/tcp|TransferTest[.]TcpRequestHeldByTheCancelFenceFailsWhenThePeerDies|TransferTest[.]CancelLargeWrite(/shm-staging)?|TransferTest[.]ConcurrentThreadsToTwoPeers(/tcp)?|PeerFailure[.]EngineDestroyedWithTransfersInFlight(/tcp)?)$'
 
 run_tsan_tests() {
   local dir=$BUILD-tsan t0=$SECONDS status=0
   log "C++ unit tests and the threaded integration tests under ThreadSanitizer (ferry.sh, run_tsan_tests)"
-  install_python_env || return 1
-  # Configured again where an older tree lacks the Python extension.
-  if [ ! -f "$dir/build.ninja" ] || ! grep -q '^FERRY_BUILD_PYTHON:BOOL=ON' "$dir/CMakeCache.txt"; then
+  if [ ! -f "$dir/build.ninja" ]; then
     cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-      -DFERRY_TSAN=ON -DFERRY_WITH_CUDA=OFF -DFERRY_BUILD_TOOLS=OFF \
-      -DFERRY_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PY_VENV/bin/python" >/dev/null
+      -DFERRY_TSAN=ON -DFERRY_WITH_CUDA=OFF -DFERRY_BUILD_TOOLS=OFF >/dev/null
   fi
-  if ! ninja -C "$dir" -j"$JOBS" "${TSAN_PROGRAMS[@]}" ferry_python_devtree >"$dir/build.log" 2>&1; then
+  if ! ninja -C "$dir" -j"$JOBS" "${TSAN_PROGRAMS[@]}" >"$dir/build.log" 2>&1; then
     grep -E "error|FAILED" -A3 "$dir/build.log" | head -30
     log "ThreadSanitizer build failed"; return 1
   fi
@@ -255,7 +243,6 @@ run_tsan_tests() {
   (cd "$dir" && ctest --output-on-failure -j2 --timeout 600 -L unit) || status=$?
   (cd "$dir" && ctest --output-on-failure -j2 --timeout 600 -L integration \
       -R "$TSAN_INTEGRATION") || status=$?
-  run_tsan_python "$dir" || status=$?
   unset TSAN_OPTIONS
   if compgen -G "$reports/tsan*" >/dev/null; then
     log "ThreadSanitizer reports (every one fails the stage):"
@@ -263,26 +250,6 @@ run_tsan_tests() {
     status=1
   fi
   log "ThreadSanitizer stage: $((SECONDS - t0)) s"
-  return $status
-}
-
-# The Python part of the ThreadSanitizer stage (TSAN_OPTIONS already set):
-# pytest on TSAN_PYTHON_TESTS with the extension of the TSan tree $1 and
-# libtsan preloaded, bounded by TSAN_PYTHON_SECONDS.
-run_tsan_python() {
-  local dir=$1 t0=$SECONDS libtsan status=0
-  libtsan=$(${CXX:-c++} -print-file-name=libtsan.so)
-  if [ ! -f "$libtsan" ]; then
-    log "ThreadSanitizer: gcc's libtsan.so not found ($libtsan)"; return 1
-  fi
-  local tests=()
-  for t in "${TSAN_PYTHON_TESTS[@]}"; do tests+=("$ROOT/tests/python/$t"); done
-  log "Python tests under ThreadSanitizer (${TSAN_PYTHON_TESTS[*]})"
-  (cd "$ROOT" && FERRY_PYTHONPATH="$dir/python" LD_PRELOAD="$libtsan" \
-    timeout "${TSAN_PYTHON_SECONDS:-240}" "$PY_VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    "${tests[@]}") || status=$?
-  [ $status -eq 124 ] && log "Python tests under ThreadSanitizer: over ${TSAN_PYTHON_SECONDS:-240} s"
-  log "Python tests under ThreadSanitizer: $((SECONDS - t0)) s"
   return $status
 }
 
