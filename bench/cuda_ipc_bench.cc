@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -195,11 +196,25 @@ int main(int argc, char** argv) {
   int iters = 2000;
   bool latency_only = false;
   bool with_tcp = true;
+  std::vector<uint64_t> sizes = {4096, 65536, 1u << 20};  // blocking-write latency rows
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--latency-only") == 0) latency_only = true;
     if (std::strcmp(argv[i], "--no-tcp") == 0) with_tcp = false;
     if (std::strcmp(argv[i], "--trace") == 0) g_trace = true;
+    if (std::strcmp(argv[i], "--sizes") == 0 && i + 1 < argc) {
+      sizes.clear();
+      for (const char* p = argv[++i]; *p != '\0';) {
+        char* end = nullptr;
+        sizes.push_back(std::strtoull(p, &end, 10));
+        p = *end == ',' ? end + 1 : end;
+        if (sizes.back() == 0 || sizes.back() > kLocal) {
+          std::printf("--sizes: each size must be 1..%llu bytes\n",
+                      static_cast<unsigned long long>(kLocal));
+          return 2;
+        }
+      }
+    }
   }
   const int peer_device = gputest::peer_device();
   uint8_t *local = nullptr, *scratch = nullptr;
@@ -263,7 +278,7 @@ int main(int argc, char** argv) {
 
   std::printf("\n%-34s %14s %14s %14s %14s %9s\n", "blocking write latency (us)", "cuda_ipc p50",
               "tcp p50", "cuda_ipc p99", "raw copy p50", "tcp/ipc");
-  for (uint64_t b : {uint64_t{4096}, uint64_t{65536}, uint64_t{1} << 20}) {
+  for (uint64_t b : sizes) {
     auto a = latency(ipc, local, b, iters, /*breakdown=*/true);
     auto t = with_tcp ? latency(tcp, local, b, iters / 4) : std::pair<double, double>{0, 0};
     std::printf("%-34s %14.1f %14.1f %14.1f %14.1f %8.1fx\n", (std::to_string(b) + " B").c_str(),

@@ -33,8 +33,6 @@ namespace ferry {
 namespace {
 
 constexpr size_t kMaxIovsPerCall = 1'000'000;
-// wait() spins (engine.wait_spin_us) only on transfers of at most this many bytes.
-constexpr uint64_t kSpinMaxBytes = 256 << 10;
 
 std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
@@ -70,6 +68,7 @@ class Engine::Impl {
     }
     log_to_stderr();
     wait_spin_ = std::chrono::microseconds(options_.get_uint("engine.wait_spin_us"));
+    wait_spin_max_bytes_ = options_.get_uint("engine.wait_spin_max_bytes");
     merge_iovs_ = options_.get_bool("engine.merge_iovs");
     windows_.configure(
         {options_.get_uint(kPeerWindowBytesOption), options_.get_uint(kPeerWindowIovsOption)});
@@ -420,15 +419,20 @@ class Engine::Impl {
     bool taken = false;  // finished already: out of the table in the same lookup
     auto t = transfers_.find(id, &taken);
     if (!t) return unknown_transfer(id);
-    // Spin only where it pays: a large transfer takes far longer than a
-    // wake-up, and spinning would take a core from the I/O threads.
-    const auto spin = t->bytes <= kSpinMaxBytes ? wait_spin_ : std::chrono::microseconds(0);
+    // Spin only where it pays: a large host-memory transfer takes far longer
+    // than a wake-up, and spinning would take a core from the I/O threads.
+    const auto spin = t->bytes <= spin_max_bytes(*t) ? wait_spin_ : std::chrono::microseconds(0);
     if (!t->wait_for(timeout, spin)) {
       return err::Timeout(
           fmt::format("transfer {} still in progress after {} ms", id, timeout.count()));
     }
     if (!taken) transfers_.erase(id);
     return t->status();
+  }
+
+  uint64_t spin_max_bytes(const Transfer& t) const {
+    if (wait_spin_max_bytes_ != 0) return wait_spin_max_bytes_;
+    return t.transport != nullptr ? t.transport->wait_spin_max_bytes() : 256 << 10;
   }
 
   static Status unknown_transfer(TransferId id) {
@@ -515,6 +519,7 @@ class Engine::Impl {
   std::deque<PeerId> lost_order_;  // the order peers were lost in (may hold stale ids)
   static constexpr size_t kMaxLostPeers = 1024;
   std::chrono::microseconds wait_spin_{0};
+  uint64_t wait_spin_max_bytes_ = 0;  // 0: the transport's wait_spin_max_bytes()
   bool merge_iovs_ = true;
   std::set<PeerId> known_;
   std::map<PeerId, EngineMetadata> handshake_metadata_;  // under peers_mu_
@@ -728,7 +733,7 @@ Status Engine::test(TransferId transfer) {
   bool taken = false;
   auto t = impl_->transfers_.find(transfer, &taken);
   if (!t) return Impl::unknown_transfer(transfer);
-  if (!taken && t->transport != nullptr && t->bytes <= kSpinMaxBytes) {
+  if (!taken && t->transport != nullptr && t->bytes <= impl_->spin_max_bytes(*t)) {
     // A caller that polls (NIXL's check_xfer_state loop) may read the
     // completion itself, as a spinning wait() does, instead of waiting for
     // a transport thread to be woken and hand it over.

@@ -16,8 +16,12 @@ const OptionSpec kEngineOptionSpecs[] = {
     {"engine.log_level", OptionType::kString, "warn",
      "log level: trace, debug, info, warn, error, off"},
     {"engine.wait_spin_us", OptionType::kUint, "100",
-     "wait() on a transfer of up to 256 KiB spins this long before sleeping (0: sleep at once)", 0,
-     100000},
+     "wait() on a small transfer (engine.wait_spin_max_bytes) spins this long before sleeping (0: "
+     "sleep at once)",
+     0, 100000},
+    {"engine.wait_spin_max_bytes", OptionType::kBytes, "0",
+     "wait() spins only on transfers of at most this many bytes; 0: the transport's choice (256 "
+     "KiB where host cores copy; any size over cuda_ipc, whose copies run on the GPU)"},
     {kGpuSameHostPathOption, OptionType::kString, "auto",
      "how GPU memory moves between engines of one host: auto (cuda_ipc where it connects, else "
      "staged through shm's shared host memory, never loopback tcp while shm is connected), or "

@@ -143,6 +143,12 @@ class Transport {
   // progress() (~40 ns each on x86): a transport whose poll is one cheap
   // query asks for fewer, so that a finished copy is seen sooner.
   virtual uint32_t progress_spins() const { return 64; }
+  // wait() spins (engine.wait_spin_us) only on transfers of at most this many
+  // bytes: a large host-memory copy outlasts a wake-up and spinning would take
+  // a core from the threads doing it. A transport whose copies run elsewhere
+  // (a GPU's copy engine) finishes large transfers in microseconds and may say
+  // more.
+  virtual uint64_t wait_spin_max_bytes() const { return 256 << 10; }
   // The thread that called progress() stops: it goes to sleep on `transfer`
   // (finished false) or returns with it finished. A transport that kept its
   // own thread off the work while a waiter polled hands it back here.
