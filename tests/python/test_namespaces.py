@@ -43,11 +43,13 @@ pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "-")
 
 
 class Peer:
-    def __init__(self, role: str, prefix: list[str]):
+    def __init__(self, role: str, prefix: list[str], memory: str = "host", gpu: str | None = None):
         env = dict(os.environ)
         pkg = str(Path(ferry.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = pkg + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.p = subprocess.Popen(prefix + [sys.executable, PEER, role, str(SIZE)],
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        self.p = subprocess.Popen(prefix + [sys.executable, PEER, role, str(SIZE), memory],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.ready = self.line().split()
         assert self.ready and self.ready[0] == "ready", self.ready
@@ -75,11 +77,12 @@ class Peer:
             self.p.wait()
 
 
-def _transfer(target_prefix, initiator_prefix):
+def _transfer(target_prefix, initiator_prefix, memory="host", gpus=(None, None)):
     """Connects, writes 1 byte, 4 KiB and 8 MiB of fresh random bytes, checks each on the
-    target; returns the initiator's peer.transports()."""
-    target = Peer("target", target_prefix)
-    initiator = Peer("initiator", initiator_prefix)
+    target; returns the initiator's peer.transports(). gpus: CUDA_VISIBLE_DEVICES of the
+    initiator and the target (None: inherited)."""
+    target = Peer("target", target_prefix, memory, gpus[1])
+    initiator = Peer("initiator", initiator_prefix, memory, gpus[0])
     try:
         answer = initiator.ask(f"connect {target.ready[1]} {target.ready[2]}")
         assert answer.startswith("connected "), answer
@@ -125,3 +128,47 @@ def test_private_tmp_falls_back_to_the_network_transport_and_says_why():
     assert t["transport"] in ("fabric", "tcp"), ts
     shm = [x for x in ts if x["transport"] == "shm"]
     assert shm and not shm[0]["connected"] and shm[0]["reason"], ts
+
+
+# GPU memory across PID namespaces (issue 26, item 4): cuda_ipc's handshake, IPC handles and
+# cuMem descriptors travel over its own Unix socket and need no pid, and the driver opens
+# a legacy IPC handle and a cuMem POSIX descriptor from a process in another PID namespace
+# (bench/cuda_ipc/invisible_gpu_probe.cu, "pidns"). Each process sees only its own GPU, as
+# serving stacks launch workers; with one GPU both use it.
+
+
+def _gpus_or_skip():
+    try:
+        import torch
+    except ImportError as e:
+        pytest.skip(f"GPU memory needs PyTorch: {e}")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: GPU memory across PID namespaces needs a GPU")
+    return ("0", "1") if torch.cuda.device_count() > 1 else ("0", "0")
+
+
+def _gpu_carrier(transports):
+    for t in transports:
+        routes = [r.strip() for r in (t.get("carries") or "").split(",")]
+        if "peer GPU memory" in routes or t.get("carries") == "host and GPU memory":
+            return t
+    raise AssertionError(f"no transport carries GPU memory: {transports}")
+
+
+@pytest.mark.parametrize("where", ["target", "initiator"])
+def test_gpu_memory_across_pid_namespaces_goes_by_cuda_ipc(where):
+    gpus = _gpus_or_skip()
+    prefixes = (PID_NS, []) if where == "target" else ([], PID_NS)
+    t = _gpu_carrier(_transfer(prefixes[0], prefixes[1], "gpu", gpus))
+    assert t["transport"] == "cuda_ipc", t
+
+
+def test_gpu_memory_with_a_private_tmp_is_staged_and_says_why():
+    # Neither cuda_ipc's nor shm's socket is reachable from a private /tmp: GPU memory is
+    # staged over the network transport on loopback, and cuda_ipc says why it is not used.
+    gpus = _gpus_or_skip()
+    ts = _transfer(PRIVATE_TMP, [], "gpu", gpus)
+    t = _gpu_carrier(ts)
+    assert t["transport"] in ("fabric", "tcp"), ts
+    ipc = [x for x in ts if x["transport"] == "cuda_ipc"]
+    assert ipc and not ipc[0]["connected"] and ipc[0]["reason"], ts
