@@ -365,9 +365,12 @@ class Engine::Impl {
   }
 
   // `window_wait`: how long to wait for room in the peer's window.
+  // `fallback`: this is the call posted again after its first transport
+  // refused it and withdrew from the route (cuda_ipc, whose driver would not
+  // map the peer's memory).
   Result<TransferId> post(TransferOp op, PeerId peer, std::span<const LocalIov> local,
                           std::span<const RemoteIov> remote, std::optional<ByteView> notification,
-                          std::chrono::milliseconds window_wait) {
+                          std::chrono::milliseconds window_wait, bool fallback = false) {
     // An unconnected peer is the error reported first, whatever else is
     // wrong; it is looked at only when something failed, so a call to a
     // connected peer asks its transports once (choose), not twice.
@@ -410,6 +413,18 @@ class Engine::Impl {
       transport->cancel(*t);
       t->release_window();
       transfers_.erase(t->id());
+      if (!fallback && route != MemoryRoute::kHostOnly) {
+        // A transport that found out only now that it cannot carry this
+        // peer's GPU memory withdraws from the route: the next one takes the
+        // call (nothing of it ran), and every later call goes there directly.
+        auto next = transports_.choose(peer, route, host_pairs, peer_gpu);
+        if (next.ok() && *next != transport) {
+          spdlog::warn("ferry: {} to peer {}: {} refused ({}); {} carries it from now on",
+                       memory_route_name(route), hex_id(peer), transport->name(), s.message(),
+                       (*next)->name());
+          return post(op, peer, local, remote, notification, window_wait, true);
+        }
+      }
       return s;
     }
     return t->id();

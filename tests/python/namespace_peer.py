@@ -8,6 +8,7 @@ the launcher sets CUDA_VISIBLE_DEVICES).
         check SEED N   -> "ok" or "bad K" (K bytes of [0, N) differ from pattern SEED)
     python namespace_peer.py initiator SIZE [host|gpu]  -> "ready"
         connect META_HEX DESC_HEX -> "connected JSON" (peer.transports())
+        transports                -> "transports JSON" (peer.transports() now)
         write SEED N              -> "wrote"       (one write of N bytes, pattern SEED)
         bench N BLOCK SECONDS     -> "gbps X"      (writes of N bytes in BLOCK-byte iovs, 4 in flight)
     exit
@@ -72,6 +73,8 @@ def main() -> None:
                 peer = engine.connect(bytes.fromhex(cmd[1]))
                 desc = bytes.fromhex(cmd[2])
                 print("connected", json.dumps(peer.transports(), default=str), flush=True)
+            elif cmd[0] == "transports":
+                print("transports", json.dumps(peer.transports(), default=str), flush=True)
             elif cmd[0] == "write":
                 seed, n = int(cmd[1]), int(cmd[2])
                 fill(n, pattern(seed, n))

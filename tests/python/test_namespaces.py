@@ -1,9 +1,11 @@
-"""Two processes of one kernel in different namespaces, host memory (issue 26,
-containers): one in a child PID namespace (`unshare --pid --fork --mount-proc`),
-and one that also has a private /tmp (a tmpfs mounted in its own mount
-namespace). Every byte is checked by the target, and peer.transports() must say
-which transport carried host memory and why. Needs unshare(1) and the right to
-create namespaces (root); skipped with the reason otherwise.
+"""Two processes of one kernel in different namespaces (issue 26, containers):
+one in a child PID namespace (`unshare --pid --fork --mount-proc`), and one that
+also has a private /tmp (a tmpfs mounted in its own mount namespace); host
+memory, and GPU memory where torch sees a GPU. Every byte is checked by the
+target, and peer.transports() must say which transport carried the memory and
+why. Needs unshare(1) and the right to create namespaces (root); skipped with
+the reason otherwise. Last, the same processes without namespaces when the
+driver refuses to map the peer's GPU memory.
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "-")
 
 
 class Peer:
-    def __init__(self, role: str, prefix: list[str], memory: str = "host", gpu: str | None = None):
-        env = dict(os.environ)
+    def __init__(self, role: str, prefix: list[str], memory: str = "host", gpu: str | None = None,
+                 extra_env: dict | None = None):
+        env = dict(os.environ, **(extra_env or {}))
         pkg = str(Path(ferry.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = pkg + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         if gpu is not None:
@@ -77,12 +80,14 @@ class Peer:
             self.p.wait()
 
 
-def _transfer(target_prefix, initiator_prefix, memory="host", gpus=(None, None)):
+def _transfer(target_prefix, initiator_prefix, memory="host", gpus=(None, None), initiator_env=None,
+              after=False):
     """Connects, writes 1 byte, 4 KiB and 8 MiB of fresh random bytes, checks each on the
-    target; returns the initiator's peer.transports(). gpus: CUDA_VISIBLE_DEVICES of the
-    initiator and the target (None: inherited)."""
+    target; returns the initiator's peer.transports() (after the writes with `after`, else
+    as connected). gpus: CUDA_VISIBLE_DEVICES of the initiator and the target (None:
+    inherited)."""
     target = Peer("target", target_prefix, memory, gpus[1])
-    initiator = Peer("initiator", initiator_prefix, memory, gpus[0])
+    initiator = Peer("initiator", initiator_prefix, memory, gpus[0], initiator_env)
     try:
         answer = initiator.ask(f"connect {target.ready[1]} {target.ready[2]}")
         assert answer.startswith("connected "), answer
@@ -90,6 +95,10 @@ def _transfer(target_prefix, initiator_prefix, memory="host", gpus=(None, None))
         for seed, n in ((1, 1), (2, 4096), (3, SIZE)):
             assert initiator.ask(f"write {seed} {n}") == "wrote"
             assert target.ask(f"check {seed} {n}") == "ok", f"{n} bytes"
+        if after:
+            answer = initiator.ask("transports")
+            assert answer.startswith("transports "), answer
+            transports = json.loads(answer[len("transports "):])
         return transports
     finally:
         initiator.close()
@@ -172,3 +181,19 @@ def test_gpu_memory_with_a_private_tmp_is_staged_and_says_why():
     assert t["transport"] in ("fabric", "tcp"), ts
     ipc = [x for x in ts if x["transport"] == "cuda_ipc"]
     assert ipc and not ipc[0]["connected"] and ipc[0]["reason"], ts
+
+
+# The same two commanded processes, no namespace: the driver refuses to map the peer's GPU
+# memory only when the first call needs it (no peer access between the GPUs, IPC not
+# permitted between containers; issue 26, item 3). No machine here refuses, so the initiator
+# injects the refusal at the driver call (cuda_ipc.fault_refuse_import). The call must not
+# fail: it is posted again over shm's staging, and peer.transports() must say why.
+
+
+def test_gpu_memory_the_driver_refuses_to_map_is_staged_through_shm():
+    gpus = _gpus_or_skip()
+    ts = _transfer([], [], "gpu", gpus, {"FERRY_CUDA_IPC_FAULT_REFUSE_IMPORT": "true"}, after=True)
+    t = _gpu_carrier(ts)
+    assert t["transport"] == "shm", ts
+    ipc = [x for x in ts if x["transport"] == "cuda_ipc"]
+    assert ipc and ipc[0]["connected"] and "driver refused" in ipc[0]["reason"], ts

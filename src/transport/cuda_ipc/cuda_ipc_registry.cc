@@ -182,10 +182,28 @@ Result<std::shared_ptr<ImportedGrant>> CudaIpcTransport::request_grant(
   if (mapping && mapping->length() == g.span_length) {
     for (int d : answer.fds) ::close(d);
   } else {
-    auto m = Mapping::import(g, std::move(answer.fds), c->pid == ::getpid(), access_device);
+    Result<std::shared_ptr<Mapping>> m =
+        err::NotSupported("the driver refused (injected: cuda_ipc.fault_refuse_import=true)");
+    if (opt_.fault_refuse_import) {
+      for (int d : answer.fds) ::close(d);
+    } else {
+      m = Mapping::import(g, std::move(answer.fds), c->pid == ::getpid(), access_device);
+    }
     if (!m.ok()) {
-      return Status(m.status().code(), fmt::format("mapping region {} of peer {}: {}", q.region_id,
-                                                   hex_id(c->peer), m.status().message()));
+      // The driver will not map this peer's memory here (no peer access
+      // between the GPUs, IPC not permitted between the containers): from now
+      // on this peer's GPU memory goes by the next transport (shm's staging),
+      // and this call is posted there again by the engine.
+      const std::string why = fmt::format("mapping region {} of peer {}: {}", q.region_id,
+                                          hex_id(c->peer), m.status().message());
+      bool first = false;
+      {
+        std::lock_guard lock(c->mu);
+        first = c->driver_refused.empty();
+        if (first) c->driver_refused = why;
+      }
+      if (first) refused_peers_.fetch_add(1);
+      return err::NotSupported("cuda_ipc: " + why);
     }
     mapping = *m;
     std::lock_guard lock(c->mu);

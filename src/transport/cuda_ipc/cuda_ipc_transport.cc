@@ -75,6 +75,10 @@ const OptionSpec kCudaIpcOptionSpecs[] = {
      "submitted, copies seen done, completed; docs/trace.md); off costs one branch"},
     {"cuda_ipc.trace_keep", OptionType::kUint, "4096",
      "finished traced transfers kept for reading (the last N)", 1, 1u << 20},
+    {"cuda_ipc.fault_refuse_import", OptionType::kBool, "false",
+     "testing: act as if the driver refused to map every peer allocation (no peer access, IPC "
+     "not permitted), so that the fallback to staging through shm can be exercised on machines "
+     "whose driver allows it"},
 };
 const size_t kCudaIpcOptionSpecCount = std::size(kCudaIpcOptionSpecs);
 
@@ -99,7 +103,35 @@ TransportCaps CudaIpcTransport::capabilities() const {
   caps.cuda_peer_only = true;
   caps.gpu_to_peer_host = true;  // target-driven: PUSH_EXPORT + COPY_REQ
   caps.same_host_only = true;
+  // A peer whose memory the driver refused to map is left to the next
+  // transport (capabilities_for).
+  caps.varies_by_peer = true;
   return caps;
+}
+
+TransportCaps CudaIpcTransport::capabilities_for(PeerId peer) const {
+  TransportCaps caps = capabilities();
+  if (refused_peers_.load(std::memory_order_relaxed) != 0 && !driver_refusal(peer).empty()) {
+    caps.cuda_memory = false;  // and host_memory is false: it carries nothing to this peer
+  }
+  return caps;
+}
+
+std::string CudaIpcTransport::peer_limits(PeerId peer) const {
+  if (refused_peers_.load(std::memory_order_relaxed) == 0) return {};
+  const std::string why = driver_refusal(peer);
+  if (why.empty()) return {};
+  return "carries nothing to this peer: the driver refused to map its GPU memory (" + why + ")";
+}
+
+std::string CudaIpcTransport::driver_refusal(PeerId peer) const {
+  std::lock_guard lock(mu_);
+  for (const auto& c : open_) {
+    if (c->peer != peer) continue;
+    std::lock_guard clock(c->mu);
+    if (!c->driver_refused.empty()) return c->driver_refused;
+  }
+  return {};
 }
 
 Status CudaIpcTransport::read_options() {
@@ -122,6 +154,7 @@ Status CudaIpcTransport::read_options() {
   if (o.get_bool("cuda_ipc.trace")) {
     trace_log_ = trace_log_for(ctx_.engine_id, o.get_uint("cuda_ipc.trace_keep"));
   }
+  opt_.fault_refuse_import = o.get_bool("cuda_ipc.fault_refuse_import");
   return Status::Ok();
 }
 

@@ -75,6 +75,7 @@ struct CudaIpcOptions {
   uint32_t engine_max_blocks = 1;
   bool waiter_polls = true;
   bool after_default_stream = true;
+  bool fault_refuse_import = false;  // testing: every import fails as a driver refusal would
 };
 
 // The descriptor a grant was made for: ops may use exactly this range/access.
@@ -117,6 +118,9 @@ struct Connection : std::enable_shared_from_this<Connection> {
   std::mutex mu;
   std::condition_variable cv;  // a grant answer arrived, or the connection died
   std::string dead_reason;     // under mu
+  // Why the driver would not map the peer's memory here (under mu); once
+  // set, this peer's GPU memory goes by the next transport.
+  std::string driver_refused;
   std::map<GrantKey, std::shared_ptr<ImportedGrant>> grants;
   std::unordered_map<uint64_t, std::weak_ptr<Mapping>> mappings;  // peer buffer id →
   struct GrantAnswer {
@@ -165,6 +169,8 @@ class CudaIpcTransport final : public Transport {
 
   std::string_view name() const override { return "cuda_ipc"; }
   TransportCaps capabilities() const override;
+  TransportCaps capabilities_for(PeerId peer) const override;
+  std::string peer_limits(PeerId peer) const override;
   Status start(const TransportContext& context) override;
   void shutdown(const Status& reason) override;
   Bytes local_address() const override;
@@ -251,6 +257,7 @@ class CudaIpcTransport final : public Transport {
 
   // --- initiator ---
   Result<std::shared_ptr<Connection>> live_connection(PeerId peer) const;
+  std::string driver_refusal(PeerId peer) const;  // empty: none
   Status post(PeerId peer, const std::shared_ptr<Transfer>& t, std::vector<Segment>& segments,
               bool write);
   // The mapped-grant path for `segments` (peer GPU memory); `extra` more
@@ -306,6 +313,7 @@ class CudaIpcTransport final : public Transport {
   std::unordered_map<Connection*, std::shared_ptr<Connection>> watched_;
 
   mutable std::mutex mu_;
+  std::atomic<int> refused_peers_{0};  // connections with driver_refused set
   bool started_ = false;
   bool stopped_ = false;
   std::unordered_map<PeerId, std::shared_ptr<Connection>> primary_;
