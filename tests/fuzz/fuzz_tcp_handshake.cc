@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "core/metadata.h"
+#include "engine_fuzz_util.h"
 #include "ferry/engine.h"
 #include "transport/tcp/tcp_wire.h"
 
@@ -160,21 +161,33 @@ ferry::Bytes our_metadata(FuzzedDataProvider& in, uint64_t engine_id) {
 }
 
 // Revision 2 after an accepted Hello that declared metadata: the engine's
-// metadata (it must decode and name the engine), ours, the second reply.
-void exchange_metadata(int fd, const HelloReply& reply, const ferry::Bytes& ours) {
-  if (reply.handshake_revision != kHandshakeRevisionMetadata || reply.message_bytes == 0) return;
+// metadata (it must decode and name the engine), ours, and `extra` bytes
+// after it. The second reply comes once the engine has what the Hello
+// claimed; a longer claim that those bytes do not fill gets none until the
+// handshake deadline, and is not waited for (the engine sees our end of the
+// stream at the drain instead). Returns whether `extra` was sent.
+bool exchange_metadata(int fd, const HelloReply& reply, uint32_t claimed, const ferry::Bytes& ours,
+                       const std::vector<uint8_t>& extra) {
+  if (reply.handshake_revision != kHandshakeRevisionMetadata || reply.message_bytes == 0) {
+    return false;
+  }
   if (reply.message_bytes > kMaxHelloMetadata) std::abort();
   const std::vector<uint8_t> theirs = receive(fd, reply.message_bytes, 2000);
   if (theirs.size() != reply.message_bytes) std::abort();
   auto m = ferry::EngineMetadata::decode(ferry::ByteView(theirs));
   if (!m.ok() || m->engine_id != target().engine->id()) std::abort();
   send_all(fd, ours.data(), ours.size());
-  (void)check_reply(fd);
+  if (ours.size() >= claimed) {
+    (void)check_reply(fd);
+    return false;
+  }
+  send_all(fd, extra.data(), extra.size());
+  if (ours.size() + extra.size() >= claimed) (void)check_reply(fd);
+  return true;
 }
 
-}  // namespace
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+// One run: its connections, from connect to the engine's close.
+void run(const uint8_t* data, size_t size) {
   Target& t = target();
   FuzzedDataProvider in(data, size);
   const auto streams = in.ConsumeIntegralInRange<uint16_t>(1, 4);
@@ -193,33 +206,42 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (in.ConsumeBool()) hello.engine_id = in.ConsumeIntegral<uint64_t>();
     hello.handshake_revision =
         in.ConsumeBool() ? kHandshakeRevision : in.ConsumeIntegral<uint16_t>();
-    // Revision 2's metadata: declared as long as it is, or (now and then:
-    // a longer claim waits for the deadline) any length.
+    // Revision 2's metadata: declared as long as it is, or (now and then)
+    // any length.
     ferry::Bytes metadata;
     if (in.ConsumeBool()) metadata = our_metadata(in, hello.engine_id);
     hello.metadata_bytes = static_cast<uint32_t>(metadata.size());
     if (in.ConsumeProbability<float>() < 0.02f)
       hello.metadata_bytes = in.ConsumeIntegral<uint32_t>();
-    // Cut short (the engine waits for the deadline) only now and then: each
-    // costs tcp.connect_timeout_ms of waiting.
+    // Cut short now and then: the engine waits for the rest until the drain
+    // below ends our side of the stream.
     size_t length = sizeof hello;
     if (in.ConsumeProbability<float>() < 0.02f) length = in.ConsumeIntegralInRange<size_t>(0, 31);
+    const auto extra = in.ConsumeBytes<uint8_t>(in.ConsumeIntegralInRange<size_t>(0, 64));
     const int fd = connect_to_target(t);
     fds.push_back(fd);
     send_all(fd, reinterpret_cast<const uint8_t*>(&hello), length);
+    bool extra_sent = false;
     if (length == sizeof hello && hello.magic == kHelloMagic) {
-      if (auto reply = check_reply(fd)) exchange_metadata(fd, *reply, metadata);
+      if (auto reply = check_reply(fd)) {
+        extra_sent = exchange_metadata(fd, *reply, hello.metadata_bytes, metadata, extra);
+      }
     }
-    const auto extra = in.ConsumeBytes<uint8_t>(in.ConsumeIntegralInRange<size_t>(0, 64));
-    if (!extra.empty()) send_all(fd, extra.data(), extra.size());
+    if (!extra_sent && !extra.empty()) send_all(fd, extra.data(), extra.size());
   }
   for (int fd : fds) {
     ::shutdown(fd, SHUT_WR);
     (void)receive(fd, 1 << 16, 300);  // until the engine closes it
     ::close(fd);
   }
-  for (uint8_t b : t.memory) {
-    if (b != 0) std::abort();  // a handshake wrote into the region
-  }
+  if (!ferry::fuzz::untouched(t.memory)) std::abort();  // a handshake wrote into the region
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const ferry::fuzz::EngineSettle settle;
+  run(data, size);
+  (void)settle.wait(std::chrono::milliseconds(1), std::chrono::milliseconds(20));
   return 0;
 }
