@@ -222,7 +222,12 @@ class Engine::Impl {
     std::vector<PeerId> forgotten;
     {
       std::lock_guard lock(peers_mu_);
-      if (lost_.insert_or_assign(peer, reason.message()).second) lost_order_.push_back(peer);
+      auto [it, inserted] = lost_.try_emplace(peer);
+      it->second.why = reason.message();
+      if (inserted) {
+        it->second.seq = ++lost_seq_;
+        lost_order_.push_back({peer, it->second.seq});
+      }
       forgotten = forget_oldest_lost_locked();
     }
     for (PeerId p : forgotten) transports_.forget(p);
@@ -234,17 +239,28 @@ class Engine::Impl {
   std::vector<PeerId> forget_oldest_lost_locked() {
     std::vector<PeerId> forgotten;
     while (lost_.size() > kMaxLostPeers && !lost_order_.empty()) {
-      const PeerId oldest = lost_order_.front();
+      const LostEntry oldest = lost_order_.front();
       lost_order_.pop_front();
-      if (lost_.erase(oldest) == 0) continue;  // it came back since
-      known_.erase(oldest);
-      forgotten.push_back(oldest);
+      if (stale_locked(oldest.peer, oldest.seq)) continue;  // it came back since
+      lost_.erase(oldest.peer);
+      known_.erase(oldest.peer);
+      forgotten.push_back(oldest.peer);
     }
-    // Peers that came back left their entries behind: drop those now and then.
+    // Peers that came back left their entries behind -- and one lost again
+    // has a newer entry besides: drop the stale ones now and then. Only
+    // entries of peers lost now remain, at most kMaxLostPeers, so a peer that
+    // reconnects and drops again and again leaves the list bounded.
     if (lost_order_.size() > 2 * kMaxLostPeers) {
-      std::erase_if(lost_order_, [this](PeerId p) { return !lost_.contains(p); });
+      std::erase_if(lost_order_, [this](const auto& e) { return stale_locked(e.peer, e.seq); });
     }
     return forgotten;
+  }
+
+  // Whether an entry of lost_order_ no longer stands for the peer's loss:
+  // the peer came back, or came back and was lost again (a newer entry).
+  bool stale_locked(PeerId peer, uint64_t seq) const {
+    auto it = lost_.find(peer);
+    return it == lost_.end() || it->second.seq != seq;
   }
 
   // "host memory over shm, peer GPU memory over cuda_ipc, local GPU with
@@ -265,7 +281,7 @@ class Engine::Impl {
     std::lock_guard lock(peers_mu_);
     if (auto it = lost_.find(peer); it != lost_.end()) {
       return err::PeerDisconnected(
-          fmt::format("peer {} is disconnected ({}); connect again", hex_id(peer), it->second));
+          fmt::format("peer {} is disconnected ({}); connect again", hex_id(peer), it->second.why));
     }
     return err::NotFound(fmt::format(
         "peer {} is not connected: call connect() with its metadata first", hex_id(peer)));
@@ -530,8 +546,17 @@ class Engine::Impl {
   TransferTable transfers_;
   TransportSet transports_;
   std::mutex peers_mu_;
-  std::map<PeerId, std::string> lost_;
-  std::deque<PeerId> lost_order_;  // the order peers were lost in (may hold stale ids)
+  struct Lost {
+    std::string why;
+    uint64_t seq = 0;  // which entry of lost_order_ stands for this loss
+  };
+  struct LostEntry {
+    PeerId peer;
+    uint64_t seq;
+  };
+  std::map<PeerId, Lost> lost_;
+  std::deque<LostEntry> lost_order_;  // the order peers were lost in (may hold stale entries)
+  uint64_t lost_seq_ = 0;
   static constexpr size_t kMaxLostPeers = 1024;
   std::chrono::microseconds wait_spin_{0};
   uint64_t wait_spin_max_bytes_ = 0;  // 0: the transport's wait_spin_max_bytes()
