@@ -86,7 +86,19 @@ __global__ void __launch_bounds__(kResidentThreads) resident_copy(ResidentLaunch
     const auto* src = reinterpret_cast<const uint4*>(s_src);
     const uint64_t size = s_size;
     const uint64_t n16 = size / 16;
-    for (uint64_t i = threadIdx.x; i < n16; i += blockDim.x) __stcg(dst + i, __ldcg(src + i));
+    // kResidentUnroll independent loads per thread before their stores: one
+    // SM then has 64 KiB in flight per round trip to memory (HBM or NVLink),
+    // not 8 KiB, which is what a lone copy of 16-256 KiB waits on.
+    uint64_t i = threadIdx.x;
+    const uint64_t stride = blockDim.x;
+    for (; i + (kResidentUnroll - 1) * stride < n16; i += kResidentUnroll * stride) {
+      uint4 v[kResidentUnroll];
+#pragma unroll
+      for (uint32_t k = 0; k < kResidentUnroll; ++k) v[k] = __ldcg(src + i + k * stride);
+#pragma unroll
+      for (uint32_t k = 0; k < kResidentUnroll; ++k) __stcg(dst + i + k * stride, v[k]);
+    }
+    for (; i < n16; i += stride) __stcg(dst + i, __ldcg(src + i));
     for (uint64_t i = n16 * 16 + threadIdx.x; i < size; i += blockDim.x) {
       reinterpret_cast<uint8_t*>(s_dst)[i] =
           *reinterpret_cast<const volatile uint8_t*>(reinterpret_cast<const uint8_t*>(s_src) + i);

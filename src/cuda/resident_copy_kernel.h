@@ -27,6 +27,7 @@ struct alignas(64) ResidentSlot {
 constexpr uint64_t kResidentWaitGate = 1ull << 63;
 constexpr uint32_t kResidentSlots = 64;
 constexpr uint32_t kResidentThreads = 512;
+constexpr uint32_t kResidentUnroll = 8;  // 16-byte loads in flight per thread
 // Per-slot status, written by the kernel: ticket << 2 | state.
 constexpr uint64_t kResidentDone = 1;
 constexpr uint64_t kResidentDeferred = 2;  // its gate did not open in time: not copied
