@@ -76,7 +76,7 @@ void Parse(const std::string& line, Report* r) {
 }
 
 bool IsGauge(const std::string& k) {
-  return k == "rss" || k == "fds" || k == "rss_warm" || k == "fds_warm" ||
+  return k == "rss" || k == "heap" || k == "fds" || k == "rss_warm" || k == "fds_warm" ||
          k.rfind("max_", 0) == 0 || k.find("_max_") != std::string::npos;
 }
 
@@ -93,6 +93,7 @@ struct Proc {
   Report last;
   bool warm_taken = false;
   uint64_t rss_warm = 0, rss_last = 0;
+  uint64_t heap_warm = 0, heap_last = 0;  // malloc's bytes in use (workers)
   int fds_warm = -1, fds_last = -1;
 };
 
@@ -161,6 +162,7 @@ bool Coordinator::Spawn(Proc& p) {
   p.ready = p.done = p.killed = p.stopped = p.exited = false;
   p.warm_taken = false;
   p.rss_warm = 0;
+  p.heap_warm = 0;
   p.fds_warm = -1;
   p.started = NowNs();
   p.stop_reader = std::make_shared<std::atomic<bool>>(false);
@@ -240,12 +242,14 @@ void Coordinator::Handle(const Line& l) {
   } else if (f[0] == "STATS") {
     Parse(l.text, &p.last);
     p.rss_last = p.last.counters["rss"];
+    p.heap_last = p.last.counters["heap"];
     p.fds_last = static_cast<int>(p.last.counters["fds"]);
     // Warm: past the run's warm-up, and up 10 s for a restarted process.
     if (!p.warm_taken && NowNs() >= warm_at_ &&
         (p.incarnation == 0 || NowNs() >= p.started + 10'000'000'000)) {
       p.warm_taken = true;
       p.rss_warm = p.rss_last;
+      p.heap_warm = p.heap_last;
       p.fds_warm = p.fds_last;
     }
   } else if (f[0] == "ERROR") {
@@ -408,12 +412,20 @@ void Coordinator::Print(bool final) {
       (unsigned long long)n["churn_cycles"]);
   std::string per;
   for (const auto& p : procs_) {
-    char s[160];
+    char s[200];
     if (final) {
-      std::snprintf(s, sizeof s, " %s%d.%u: RSS %s -> %s MiB, fds %d -> %d;",
+      // Workers also give malloc's bytes in use: RSS that grows while these
+      // stay level is memory the allocator (or a library's pool) keeps, not
+      // a leak.
+      char heap[64] = "";
+      if (!p->churn && p->heap_last != 0) {
+        std::snprintf(heap, sizeof heap, ", heap in use %s -> %s MiB", Mib(p->heap_warm).c_str(),
+                      Mib(p->heap_last).c_str());
+      }
+      std::snprintf(s, sizeof s, " %s%d.%u: RSS %s -> %s MiB%s, fds %d -> %d;",
                     p->churn ? "churn" : "", p->index, p->incarnation,
                     Mib(p->churn ? p->last.counters["rss_warm"] : p->rss_warm).c_str(),
-                    Mib(p->rss_last).c_str(),
+                    Mib(p->rss_last).c_str(), heap,
                     p->churn ? static_cast<int>(p->last.counters["fds_warm"]) : p->fds_warm,
                     p->fds_last);
     } else {

@@ -1,6 +1,7 @@
 #include "soak_util.h"
 
 #include <dirent.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -118,6 +119,12 @@ uint64_t RssBytes(int pid) {
   const int n = std::fscanf(f, "%llu %llu", &size, &resident);
   std::fclose(f);
   return n == 2 ? resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) : 0;
+}
+
+uint64_t HeapInUseBytes() {
+  const struct mallinfo2 m = mallinfo2();
+  // Small blocks in use plus blocks served by mmap.
+  return m.uordblks + m.hblkhd;
 }
 
 int OpenDescriptors(int pid) {

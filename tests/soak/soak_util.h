@@ -60,6 +60,10 @@ class Histogram {
 
 // Resident set (bytes) and open descriptors of process `pid` (0: this one).
 uint64_t RssBytes(int pid = 0);
+// Bytes malloc has handed out and not had back (glibc's mallinfo2, this
+// process): beside the RSS it tells a leak (this grows) from memory the
+// allocator keeps or fragments (RSS grows, this does not).
+uint64_t HeapInUseBytes();
 int OpenDescriptors(int pid = 0);
 
 }  // namespace ferry::soak

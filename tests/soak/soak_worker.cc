@@ -413,7 +413,7 @@ void Worker::Drain() {
 std::string Worker::StatsLine() {
   std::lock_guard<std::mutex> lock(mu_);
   std::ostringstream s;
-  s << "STATS rss=" << RssBytes() << " fds=" << OpenDescriptors()
+  s << "STATS rss=" << RssBytes() << " heap=" << HeapInUseBytes() << " fds=" << OpenDescriptors()
     << " data_errors=" << data_errors_.load() << " max_fail_ms=" << max_fail_ns_ / 1'000'000
     << " carrier=" << (carrier_.empty() ? "-" : carrier_);
   for (const auto& [k, v] : counters_) s << ' ' << k << '=' << v;
