@@ -32,6 +32,8 @@ import sys
 import time
 import zlib
 
+from posting import gbps_with_calls_in_flight
+
 
 def reference(nbytes, secs):
     import torch
@@ -99,18 +101,7 @@ def worker(conn, visible, device, blocks, block, depth):
     conn.send({"transports": peer.transports()})
 
     def timed(seconds):
-        inflight, calls, t0 = [], 0, time.perf_counter()
-        for k in range(depth):
-            inflight.append(posts[k]())
-        while True:
-            inflight.pop(0).wait(60_000)
-            calls += 1
-            if time.perf_counter() - t0 >= seconds:
-                for t in inflight:
-                    t.wait(60_000)
-                calls += len(inflight)
-                return calls * slot / (time.perf_counter() - t0) / 1e9
-            inflight.append(posts[calls % depth]())
+        return gbps_with_calls_in_flight(posts, slot, seconds)
 
     while True:
         cmd = conn.recv()

@@ -27,8 +27,9 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import time
 import zlib
+
+from posting import gbps_with_calls_in_flight
 
 MiB = 1 << 20
 
@@ -102,21 +103,8 @@ def initiator(conn, visible, blocks, block, depth, secs, reps_conn_info, options
     while True:
         cmd = conn.recv()
         if cmd == "run":
-            def timed(seconds):
-                inflight, calls, t0 = [], 0, time.perf_counter()
-                for k in range(depth):
-                    inflight.append(posts[k]())
-                while True:
-                    inflight.pop(0).wait(60_000)
-                    calls += 1
-                    if time.perf_counter() - t0 >= seconds:
-                        for t in inflight:
-                            t.wait(60_000)
-                        calls += len(inflight)
-                        return calls * slot / (time.perf_counter() - t0) / 1e9
-                    inflight.append(posts[calls % depth]())
-            timed(min(0.5, secs))
-            conn.send(timed(secs))
+            gbps_with_calls_in_flight(posts, slot, min(0.5, secs))
+            conn.send(gbps_with_calls_in_flight(posts, slot, secs))
         elif cmd == "check":
             src[:slot].copy_(torch.randint(0, 256, (slot,), dtype=torch.uint8, device="cuda:0"))
             torch.cuda.synchronize()
