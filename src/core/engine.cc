@@ -14,6 +14,7 @@
 #include "core/engine_options.h"
 #include "core/host_identity.h"
 #include "core/log_sink.h"
+#include "core/lost_peers.h"
 #include "core/metadata.h"
 #include "core/options.h"
 #include "core/peer_window.h"
@@ -202,7 +203,7 @@ class Engine::Impl {
   void on_peer_up(std::string_view transport, PeerId peer) {
     transports_.clear_unused(peer, transport);
     std::lock_guard lock(peers_mu_);
-    lost_.erase(peer);
+    lost_.came_back(peer);
     known_.insert(peer);
   }
   std::vector<PeerId> known_peers() {
@@ -221,46 +222,13 @@ class Engine::Impl {
     }
     std::vector<PeerId> forgotten;
     {
+      // What is kept about peers that went away is bounded (LostPeers): a
+      // call naming one forgotten gets NotFound instead of PeerDisconnected.
       std::lock_guard lock(peers_mu_);
-      auto [it, inserted] = lost_.try_emplace(peer);
-      it->second.why = reason.message();
-      if (inserted) {
-        it->second.seq = ++lost_seq_;
-        lost_order_.push_back({peer, it->second.seq});
-      }
-      forgotten = forget_oldest_lost_locked();
+      forgotten = lost_.lost(peer, reason.message());
+      for (PeerId p : forgotten) known_.erase(p);
     }
     for (PeerId p : forgotten) transports_.forget(p);
-  }
-  // Anyone who reaches a listen port can complete a handshake under a new
-  // engine id, so what is kept about peers that went away is bounded: past
-  // kMaxLostPeers the oldest are forgotten (a call naming one then gets
-  // NotFound, "not connected", instead of PeerDisconnected).
-  std::vector<PeerId> forget_oldest_lost_locked() {
-    std::vector<PeerId> forgotten;
-    while (lost_.size() > kMaxLostPeers && !lost_order_.empty()) {
-      const LostEntry oldest = lost_order_.front();
-      lost_order_.pop_front();
-      if (stale_locked(oldest.peer, oldest.seq)) continue;  // it came back since
-      lost_.erase(oldest.peer);
-      known_.erase(oldest.peer);
-      forgotten.push_back(oldest.peer);
-    }
-    // Peers that came back left their entries behind -- and one lost again
-    // has a newer entry besides: drop the stale ones now and then. Only
-    // entries of peers lost now remain, at most kMaxLostPeers, so a peer that
-    // reconnects and drops again and again leaves the list bounded.
-    if (lost_order_.size() > 2 * kMaxLostPeers) {
-      std::erase_if(lost_order_, [this](const auto& e) { return stale_locked(e.peer, e.seq); });
-    }
-    return forgotten;
-  }
-
-  // Whether an entry of lost_order_ no longer stands for the peer's loss:
-  // the peer came back, or came back and was lost again (a newer entry).
-  bool stale_locked(PeerId peer, uint64_t seq) const {
-    auto it = lost_.find(peer);
-    return it == lost_.end() || it->second.seq != seq;
   }
 
   // "host memory over shm, peer GPU memory over cuda_ipc, local GPU with
@@ -279,9 +247,9 @@ class Engine::Impl {
   Status check_peer(PeerId peer) {
     if (transports_.connected(peer)) return Status::Ok();
     std::lock_guard lock(peers_mu_);
-    if (auto it = lost_.find(peer); it != lost_.end()) {
+    if (const std::string* why = lost_.why(peer)) {
       return err::PeerDisconnected(
-          fmt::format("peer {} is disconnected ({}); connect again", hex_id(peer), it->second.why));
+          fmt::format("peer {} is disconnected ({}); connect again", hex_id(peer), *why));
     }
     return err::NotFound(fmt::format(
         "peer {} is not connected: call connect() with its metadata first", hex_id(peer)));
@@ -546,18 +514,7 @@ class Engine::Impl {
   TransferTable transfers_;
   TransportSet transports_;
   std::mutex peers_mu_;
-  struct Lost {
-    std::string why;
-    uint64_t seq = 0;  // which entry of lost_order_ stands for this loss
-  };
-  struct LostEntry {
-    PeerId peer;
-    uint64_t seq;
-  };
-  std::map<PeerId, Lost> lost_;
-  std::deque<LostEntry> lost_order_;  // the order peers were lost in (may hold stale entries)
-  uint64_t lost_seq_ = 0;
-  static constexpr size_t kMaxLostPeers = 1024;
+  LostPeers lost_;  // under peers_mu_
   std::chrono::microseconds wait_spin_{0};
   uint64_t wait_spin_max_bytes_ = 0;  // 0: the transport's wait_spin_max_bytes()
   bool merge_iovs_ = true;
