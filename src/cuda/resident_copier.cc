@@ -37,6 +37,10 @@ uint64_t load_volatile(const uint64_t* p) {
   return *reinterpret_cast<const volatile uint64_t*>(p);
 }
 
+void store_volatile(uint64_t* p, uint64_t v) {
+  *reinterpret_cast<volatile uint64_t*>(p) = v;
+}
+
 // One 16-byte store: the kernel reads each half with one 16-byte load.
 void store_half(uint64_t* at, uint64_t value, uint64_t ticket) {
   _mm_store_si128(reinterpret_cast<__m128i*>(at),
@@ -137,34 +141,35 @@ Result<uint64_t> ResidentCopier::post(void* dst, const void* src, uint64_t size,
   uint64_t* status = &shared_->status[t % kResidentSlots];
   // The slot is free once the posting kResidentSlots before has been resolved.
   if (t > kResidentSlots && (load_volatile(status) >> 2) < t - kResidentSlots) return uint64_t{0};
-  bool gate = after_default_stream;
-  if (gate && opt_.query_default_stream) {
-    // Nothing queued on the legacy stream: no gate to wait for. One query
-    // (~1.8 us of host time) is cheaper than the gate's round trip through
-    // the GPU's stream (~3.5 us on 4 x H100, docs/benchmarks.md).
-    const cudaError_t q = cudaStreamQuery(cudaStreamLegacy);
-    if (q == cudaSuccess) {
-      gate = false;
-    } else if (q != cudaErrorNotReady) {
-      cudaGetLastError();
-    }
-  }
-  if (gate) {
-    auto fn = reinterpret_cast<WriteValue64Fn>(write_value_);
-    // Tickets are posted in order under the caller's lock, so the gate only
-    // grows. CU_STREAM_LEGACY: the stream whose earlier work the copy waits for.
-    if (fn(CU_STREAM_LEGACY, reinterpret_cast<CUdeviceptr>(gate_), t,
-           CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
-      cudaGetLastError();
-      return uint64_t{0};
-    }
-  }
   ResidentSlot& slot = shared_->slots[t % kResidentSlots];
-  const uint64_t flags = gate ? kResidentWaitGate : 0;
-  store_half(&slot.dst, reinterpret_cast<uint64_t>(dst), t);
-  store_half(&slot.src, reinterpret_cast<uint64_t>(src), t);
-  store_half(&slot.size_flags, size | flags, t);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  auto publish = [&](uint64_t flags) {
+    store_half(&slot.dst, reinterpret_cast<uint64_t>(dst), t);
+    store_half(&slot.src, reinterpret_cast<uint64_t>(src), t);
+    store_half(&slot.size_flags, size | flags, t);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  };
+  if (!after_default_stream) {
+    publish(0);
+  } else if (!opt_.query_default_stream) {
+    if (!queue_gate(t)) return uint64_t{0};
+    publish(kResidentWaitGate);
+  } else {
+    // Post first and ask the legacy stream (one cudaStreamQuery, ~1.8 us of
+    // host time) while a running kernel takes the slot over PCIe; the answer
+    // follows in the slot's decision word. Idle: nothing to wait for. Busy:
+    // the gate's round trip through the stream (~3.5 us on 4 x H100,
+    // docs/benchmarks.md). A gate that cannot be queued: a decision never
+    // comes, and the kernel defers the copy to the ordinary stream.
+    publish(kResidentDecide);
+    const cudaError_t q = cudaStreamQuery(cudaStreamLegacy);
+    bool gated = q != cudaSuccess;
+    if (q != cudaSuccess && q != cudaErrorNotReady) cudaGetLastError();
+    if (!gated || queue_gate(t)) {
+      store_volatile(&shared_->decision[t % kResidentSlots],
+                     (t << 2) | (gated ? kResidentGated : kResidentOpen));
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+    }
+  }
   ++next_;
   refresh_exit();
   if (!alive_) {
@@ -173,6 +178,18 @@ Result<uint64_t> ResidentCopier::post(void* dst, const void* src, uint64_t size,
     if (Status s = launch(first); !s.ok()) return s;
   }
   return t;
+}
+
+bool ResidentCopier::queue_gate(uint64_t t) {
+  auto fn = reinterpret_cast<WriteValue64Fn>(write_value_);
+  // Tickets are posted in order under the caller's lock, so the gate only
+  // grows. CU_STREAM_LEGACY: the stream whose earlier work the copy waits for.
+  if (fn(CU_STREAM_LEGACY, reinterpret_cast<CUdeviceptr>(gate_), t,
+         CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
 }
 
 Result<ResidentCopier::State> ResidentCopier::state(uint64_t t) {

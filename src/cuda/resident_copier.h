@@ -6,12 +6,14 @@
 // driver call.
 //
 // Order after the legacy default stream (CopyOptions::after_default_stream):
-// where the legacy stream is idle at the post (one cudaStreamQuery) there is
-// nothing to wait for. Otherwise the copy posted with ticket t waits on the GPU for a gate word
-// that cuStreamWriteValue64, queued on the legacy stream at the post, sets to t once the work
-// queued there before has run. A gate still shut after `gate_wait` (the legacy stream is busy with
-// long work, which might even need the SM this kernel holds) defers the copy: the kernel leaves
-// without copying and the caller sends the copy down its ordinary stream instead.
+// where the legacy stream is idle at the post (one cudaStreamQuery, asked after
+// the slot is posted so that it overlaps the kernel's taking it; the answer
+// follows in the slot's decision word) there is nothing to wait for. Otherwise the copy posted with
+// ticket t waits on the GPU for a gate word that cuStreamWriteValue64, queued on the legacy stream
+// at the post, sets to t once the work queued there before has run. A gate still shut after
+// `gate_wait` (the legacy stream is busy with long work, which might even need the SM this kernel
+// holds) defers the copy: the kernel leaves without copying and the caller sends the copy down its
+// ordinary stream instead.
 //
 // Not thread-safe: CopyStream calls it under its own lock.
 #pragma once
@@ -58,6 +60,8 @@ class ResidentCopier {
  private:
   ResidentCopier() = default;
   void refresh_exit();
+  // Queues the gate's write of `t` on the legacy stream; false if it failed.
+  bool queue_gate(uint64_t t);
   Status launch(uint64_t first_ticket);
 
   int device_ = 0;

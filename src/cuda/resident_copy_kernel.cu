@@ -1,7 +1,8 @@
 // The resident copy kernel (see resident_copy_kernel.h).
 //
-// Thread 0 polls the next slot over PCIe (three 16-byte loads in flight at
-// once), waits for the slot's gate where it asks for one, and hands the copy
+// Thread 0 polls the next slot over PCIe (three 16-byte loads and the quit
+// word in flight at once), waits for the host's decision and then the slot's
+// gate where it asks for them, and hands the copy
 // to the CTA through shared memory. Every thread copies its share with
 // 16-byte accesses that bypass L1 (the same source buffer is copied again and
 // again, rewritten by others in between; a stale L1 line would be sent),
@@ -48,9 +49,26 @@ __global__ void __launch_bounds__(kResidentThreads) resident_copy(ResidentLaunch
         load16(&slot->dst, d, dt);
         load16(&slot->src, s, st);
         load16(&slot->size_flags, z, zt);
+        // In flight with the three above: one PCIe round trip per poll.
+        const uint64_t quit = load_volatile(&sh->quit);
         if (dt == t && st == t && zt == t) {
           cmd = 0;
-          if ((z & kResidentWaitGate) != 0) {
+          bool gated = (z & kResidentWaitGate) != 0;
+          if ((z & kResidentDecide) != 0) {
+            // The host is asking the legacy stream now; its answer follows.
+            const uint64_t from = now_ns();
+            const uint64_t* word = &sh->decision[t % kResidentSlots];
+            uint64_t v = load_volatile(word);
+            while ((v >> 2) != t) {
+              if (now_ns() - from > l.gate_wait_ns) {
+                cmd = 2;
+                break;
+              }
+              v = load_volatile(word);
+            }
+            gated = (v & 3) == kResidentGated;
+          }
+          if (cmd == 0 && gated) {
             const uint64_t from = now_ns();
             while (load_volatile(l.gate) < t) {
               if (now_ns() - from > l.gate_wait_ns) {
@@ -62,10 +80,10 @@ __global__ void __launch_bounds__(kResidentThreads) resident_copy(ResidentLaunch
           }
           s_dst = d;
           s_src = s;
-          s_size = z & ~kResidentWaitGate;
+          s_size = z & ~kResidentFlags;
           break;
         }
-        if (load_volatile(&sh->quit) != 0 || now_ns() - idle_from > l.linger_ns) break;
+        if (quit != 0 || now_ns() - idle_from > l.linger_ns) break;
       }
       s_cmd = cmd;
     }

@@ -19,12 +19,20 @@ namespace ferry::cuda {
 struct alignas(64) ResidentSlot {
   uint64_t dst, dst_ticket;
   uint64_t src, src_ticket;
-  uint64_t size_flags, size_ticket;  // size | kResidentWaitGate
+  uint64_t size_flags, size_ticket;  // size | kResidentWaitGate | kResidentDecide
   uint64_t pad[2];
 };
 // The copy waits until the gate (written by the legacy default stream, see
 // ResidentCopier) has reached its ticket.
 constexpr uint64_t kResidentWaitGate = 1ull << 63;
+// Whether the copy waits for the gate is not known yet: the host posts the
+// slot first and asks the legacy stream while the kernel takes it, then writes
+// the answer into the slot's decision word (ticket << 2 | kResidentOpen or
+// kResidentGated). The kernel defers the copy if no answer comes in gate_wait.
+constexpr uint64_t kResidentDecide = 1ull << 62;
+constexpr uint64_t kResidentFlags = kResidentWaitGate | kResidentDecide;
+constexpr uint64_t kResidentOpen = 1;
+constexpr uint64_t kResidentGated = 2;
 constexpr uint32_t kResidentSlots = 64;
 constexpr uint32_t kResidentThreads = 512;
 constexpr uint32_t kResidentUnroll = 8;  // 16-byte loads in flight per thread
@@ -40,6 +48,7 @@ constexpr uint64_t kResidentTicketMask = (1ull << kResidentEpochShift) - 1;
 struct ResidentShared {
   ResidentSlot slots[kResidentSlots];
   uint64_t status[kResidentSlots];
+  uint64_t decision[kResidentSlots];  // written by the host for kResidentDecide slots
   uint64_t exit_word;
   uint64_t quit;  // non-zero: leave now
 };

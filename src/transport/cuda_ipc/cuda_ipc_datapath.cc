@@ -24,7 +24,8 @@ Result<CudaIpcTransport::StreamSlot*> CudaIpcTransport::slot_for(int device, boo
   o.kernel_max_block = peer ? opt_.peer_kernel_max_block : opt_.kernel_max_block;
   o.use_batch_api = !engine_only && opt_.batch_api;
   o.after_default_stream = opt_.after_default_stream;
-  o.resident_max_block = opt_.resident_max_block;
+  // Within one GPU the resident kernel beats the copy engine to larger blocks.
+  o.resident_max_block = peer ? opt_.resident_max_block : opt_.same_gpu_resident_max_block;
   o.resident_linger_us = opt_.resident_linger_us;
   auto stream = CopyStream::create(device, o);
   if (!stream.ok()) return stream.status();

@@ -60,9 +60,14 @@ const OptionSpec kCudaIpcOptionSpecs[] = {
      "engine pays more per block",
      0, 1ull << 30},
     {"cuda_ipc.resident_max_block", OptionType::kBytes, "64KiB",
-     "a call of one block of device memory of at most this size goes to the resident copy "
-     "kernel, which stays on the GPU (one SM) for cuda_ipc.resident_linger_us after its last "
-     "copy and takes the next without a launch or driver call (0: never)",
+     "a call of one block of device memory of at most this size, between two GPUs, goes to the "
+     "resident copy kernel, which stays on the GPU (one SM) for cuda_ipc.resident_linger_us "
+     "after its last copy and takes the next without a launch or driver call (0: never)",
+     0, 1ull << 30},
+    {"cuda_ipc.same_gpu_resident_max_block", OptionType::kBytes, "128KiB",
+     "the same for a block copied within one GPU (both processes on it), where a copy-engine "
+     "copy costs more than across NVLink and the kernel is ahead up to 128 KiB "
+     "(docs/benchmarks.md)",
      0, 1ull << 30},
     {"cuda_ipc.resident_linger_us", OptionType::kUint, "200",
      "how long the resident copy kernel waits for the next small copy before it leaves the GPU", 1,
@@ -146,6 +151,7 @@ Status CudaIpcTransport::read_options() {
   opt_.peer_kernel_max_block = o.get_uint("cuda_ipc.peer_kernel_max_block");
   opt_.batch_api = o.get_bool("cuda_ipc.batch_api");
   opt_.resident_max_block = o.get_uint("cuda_ipc.resident_max_block");
+  opt_.same_gpu_resident_max_block = o.get_uint("cuda_ipc.same_gpu_resident_max_block");
   opt_.resident_linger_us = static_cast<uint32_t>(o.get_uint("cuda_ipc.resident_linger_us"));
   opt_.waiter_polls = o.get_bool("cuda_ipc.waiter_polls");
   opt_.after_default_stream = o.get_bool("cuda_ipc.after_default_stream");

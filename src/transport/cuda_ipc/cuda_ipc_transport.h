@@ -69,7 +69,8 @@ struct CudaIpcOptions {
   uint64_t kernel_max_block = 256 << 10;
   uint64_t peer_kernel_max_block = 256 << 10;
   bool batch_api = true;
-  uint64_t resident_max_block = 64 << 10;
+  uint64_t resident_max_block = 64 << 10;  // between two GPUs
+  uint64_t same_gpu_resident_max_block = 128 << 10;
   uint32_t resident_linger_us = 200;
   std::chrono::microseconds poll_linger{50};
   uint32_t engine_max_blocks = 1;
