@@ -13,10 +13,16 @@ member holding any of its experts and copies it to the experts there; its
 combine returns one summed row per (token, member): the same result in fewer
 NVLink bytes, which is the point of the comparison.
 
-Two timings per system and size, the systems taking turns per size:
+Three timings per system and size, the systems taking turns per size:
   stream:  the GPU time of each call in a stream of --iters calls enqueued
            behind a sleep kernel (so no host overhead or launch skew between
            the two processes is counted) -- how calls run inside a model step;
+           the GPUs run in lockstep, and one call's time includes any wait for
+           the other GPUs to finish their previous call (which of dispatch and
+           combine shows that wait can change from run to run: compare sums);
+  gpu barrier: the same, with a barrier among the GPUs (a kernel, Ferry's
+           SymmetricMemory.barrier) before every call of every system: each
+           call's own time, every GPU starting it within the barrier's skew;
   barrier: dist.barrier + synchronize before each call, CUDA events around it
            (host launch overhead and the two processes' skew included).
 p50 and p99 in microseconds.
@@ -60,6 +66,26 @@ def stream_timed(calls, iters):
     torch.cuda._sleep(SLEEP_CYCLES)
     for row in events:
         for (a, b), call in zip(row, calls):
+            a.record()
+            call()
+            b.record()
+    torch.cuda.synchronize()
+    return [[row[j][0].elapsed_time(row[j][1]) * 1000.0 for row in events[WARMUP:]]
+            for j in range(len(calls))]
+
+
+def gpu_barrier_timed(calls, iters, gpu_barrier):
+    """GPU microseconds of each callable with a barrier among the GPUs (a kernel
+    on the stream, Ferry's SymmetricMemory.barrier) before it, all enqueued
+    behind a sleep: each call starts on every GPU within the barrier's skew,
+    so neither host launches nor the other GPU's previous call are counted."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    events = [[event_pair() for _ in calls] for _ in range(iters + WARMUP)]
+    torch.cuda._sleep(SLEEP_CYCLES)
+    for row in events:
+        for (a, b), call in zip(row, calls):
+            gpu_barrier()
             a.record()
             call()
             b.record()
@@ -117,12 +143,16 @@ def worker(rank, world, port, args, queue):
             r = {"tokens": t, "bytes_per_gpu": t * TOP_K * HIDDEN * 2}
             r["dispatch"], r["combine"] = stream_timed(ferry_calls, args.iters)
             (r["nccl"],) = stream_timed(nccl_calls, args.iters)
+            gpu_barrier = moe.memory.barrier
+            r["dispatch_gpu_barrier"], r["combine_gpu_barrier"] = gpu_barrier_timed(
+                ferry_calls, args.iters, gpu_barrier)
+            (r["nccl_gpu_barrier"],) = gpu_barrier_timed(nccl_calls, args.iters, gpu_barrier)
             r["dispatch_barrier"], r["combine_barrier"] = barrier_timed(ferry_calls, args.iters)
             (r["nccl_barrier"],) = barrier_timed(nccl_calls, args.iters)
             moe.memory.check_device_error()
             rows[t] = r
         # torch symmetric memory (NVSHMEM) last: its set-up must not disturb the others.
-        note = symm_mem_runs(rank, world, dev, args.iters, rows)
+        note = symm_mem_runs(rank, world, dev, args.iters, rows, moe.memory.barrier)
         if rank == 0:
             queue.put(("ok", (rows, note)))
         dist.barrier()
@@ -131,7 +161,7 @@ def worker(rank, world, port, args, queue):
         queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
-def symm_mem_runs(rank, world, dev, iters, rows):
+def symm_mem_runs(rank, world, dev, iters, rows, gpu_barrier):
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -151,6 +181,7 @@ def symm_mem_runs(rank, world, dev, iters, rows):
             call()
             torch.cuda.synchronize()
             (rows[t]["symm_mem"],) = stream_timed([call], iters)
+            (rows[t]["symm_mem_gpu_barrier"],) = gpu_barrier_timed([call], iters, gpu_barrier)
             (rows[t]["symm_mem_barrier"],) = barrier_timed([call], iters)
         return ""
     except Exception as e:  # noqa: BLE001 -- a reference that cannot run is recorded, not fatal
@@ -185,7 +216,7 @@ def main():
     cell = lambda r, k: (f"{med(r, k):8.1f} ({pct(r[k], 0.99):6.1f})" if r.get(k)
                          else f"{'not run':>17}")
     lines = []
-    for mode, suffix in (("stream", ""), ("barrier", "_barrier")):
+    for mode, suffix in (("stream", ""), ("gpu barrier", "_gpu_barrier"), ("barrier", "_barrier")):
         print(f"\n{gpu} x {world}; bf16, hidden {HIDDEN}, top-{TOP_K}, {EXPERTS_PER_RANK} experts"
               f" per GPU; {mode} timing, p50 (p99) us of {args.iters} calls")
         print(f"{'tokens':>7} {'MB/GPU':>7} {'dispatch':>17} {'combine':>17} {'NCCL a2a':>17}"
