@@ -168,6 +168,10 @@ class Engine {
   std::vector<Notification> take_notifications();
   // Blocks until at least one notification is there or the timeout passes.
   std::vector<Notification> wait_notifications(std::chrono::milliseconds timeout);
+  // Notifications dropped because those not yet taken already held
+  // engine.notification_queue_bytes (256 MiB by default); 0 while the
+  // application takes them.
+  uint64_t dropped_notifications() const;
 
   class Impl;
 

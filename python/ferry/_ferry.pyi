@@ -364,6 +364,12 @@ class Engine:
         Block until at least one notification is there (or the timeout, in seconds, passes: then []). Ctrl-C raises KeyboardInterrupt.
         """
 
+    @property
+    def dropped_notifications(self) -> int:
+        """
+        Notifications dropped because those not yet taken already held the option engine.notification_queue_bytes (256 MiB); 0 while they are taken.
+        """
+
     def close(self) -> None:
         """Deregister every region and shut the engine down. Idempotent."""
 

@@ -277,6 +277,11 @@ void bind_engine(nb::module_& m) {
       .def("wait_notifications", &PyEngine::wait_notifications, "timeout"_a = nb::none(),
            "Block until at least one notification is there (or the timeout, in seconds, "
            "passes: then []). Ctrl-C raises KeyboardInterrupt.")
+      .def_prop_ro(
+          "dropped_notifications",
+          [](PyEngine& e) { return e.box->get()->dropped_notifications(); },
+          "Notifications dropped because those not yet taken already held the option "
+          "engine.notification_queue_bytes (256 MiB); 0 while they are taken.")
       .def("close", &PyEngine::close,
            "Deregister every region and shut the engine down. Idempotent.")
       .def("__enter__", [](nb::handle self) { return nb::borrow(self); })

@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -16,6 +15,7 @@
 #include "core/log_sink.h"
 #include "core/lost_peers.h"
 #include "core/metadata.h"
+#include "core/notification_queue.h"
 #include "core/options.h"
 #include "core/peer_window.h"
 #include "core/random_bytes.h"
@@ -74,6 +74,7 @@ class Engine::Impl {
     windows_.configure(
         {options_.get_uint(kPeerWindowBytesOption), options_.get_uint(kPeerWindowIovsOption)});
     window_wait_ = std::chrono::milliseconds(options_.get_uint(kPeerWindowWaitOption));
+    notifications_.set_max_bytes(options_.get_uint(kNotificationQueueBytesOption));
     auto gpu_path = parse_gpu_same_host_path(options_.get_string(kGpuSameHostPathOption));
     if (!gpu_path.ok()) return gpu_path.status();
     transports_.set_gpu_path(*gpu_path);
@@ -194,11 +195,7 @@ class Engine::Impl {
 
   // --- events from the transports ---
   void on_notification(PeerId peer, Bytes payload) {
-    {
-      std::lock_guard lock(notify_mu_);
-      notifications_.push_back({peer, std::move(payload)});
-    }
-    notify_cv_.notify_all();
+    notifications_.push(peer, std::move(payload));
   }
   void on_peer_up(std::string_view transport, PeerId peer) {
     transports_.clear_unused(peer, transport);
@@ -524,9 +521,7 @@ class Engine::Impl {
   static constexpr size_t kMaxHandshakeMetadata = 256;
   Bytes metadata_;  // ours, written once before metadata_ready_
   std::atomic<bool> metadata_ready_{false};
-  std::mutex notify_mu_;
-  std::condition_variable notify_cv_;
-  std::deque<Notification> notifications_;
+  NotificationQueue notifications_;
 };
 
 void TaggedEvents::on_notification(PeerId peer, Bytes payload) {
@@ -777,19 +772,15 @@ Status Engine::notify(PeerId peer, ByteView payload) {
 }
 
 std::vector<Notification> Engine::take_notifications() {
-  std::lock_guard lock(impl_->notify_mu_);
-  std::vector<Notification> out(std::make_move_iterator(impl_->notifications_.begin()),
-                                std::make_move_iterator(impl_->notifications_.end()));
-  impl_->notifications_.clear();
-  return out;
+  return impl_->notifications_.take();
 }
 
 std::vector<Notification> Engine::wait_notifications(std::chrono::milliseconds timeout) {
-  {
-    std::unique_lock lock(impl_->notify_mu_);
-    impl_->notify_cv_.wait_for(lock, timeout, [&] { return !impl_->notifications_.empty(); });
-  }
-  return take_notifications();
+  return impl_->notifications_.wait(timeout);
+}
+
+uint64_t Engine::dropped_notifications() const {
+  return impl_->notifications_.dropped();
 }
 
 }  // namespace ferry

@@ -42,6 +42,11 @@ const OptionSpec kEngineOptionSpecs[] = {
      "how long write_async/read_async/notify wait for room in a full window before failing with "
      "Busy (0: fail at once); blocking write()/read() wait up to their own timeout instead",
      0, 86'400'000},
+    {kNotificationQueueBytesOption, OptionType::kBytes, "256MiB",
+     "notifications received and not yet taken (take_notifications / wait_notifications) may "
+     "hold this much (payload plus 64 B each); past it new ones are dropped, counted "
+     "(dropped_notifications) and named in a warning at most every 10 s",
+     4096},
 };
 
 }  // namespace

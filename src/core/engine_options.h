@@ -9,6 +9,7 @@
 namespace ferry {
 
 inline constexpr const char* kPeerWindowBytesOption = "engine.peer_window_bytes";
+inline constexpr const char* kNotificationQueueBytesOption = "engine.notification_queue_bytes";
 inline constexpr const char* kPeerWindowIovsOption = "engine.peer_window_iovs";
 inline constexpr const char* kPeerWindowWaitOption = "engine.peer_window_wait_ms";
 

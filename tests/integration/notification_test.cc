@@ -19,8 +19,8 @@ struct Received {
 // Parses "OK n peer:hex ..." from the peer's notifications command.
 std::optional<std::vector<Received>> Notifications(TestPeer& p, size_t want,
                                                    std::chrono::milliseconds wait) {
-  auto f = Split(p.Command("notifications " + std::to_string(want) + " " +
-                           std::to_string(wait.count())));
+  auto f = Split(
+      p.Command("notifications " + std::to_string(want) + " " + std::to_string(wait.count())));
   if (f.size() < 2 || f[0] != "OK" || std::stoull(f[1]) + 2 != f.size()) return std::nullopt;
   std::vector<Received> out;
   for (size_t i = 2; i < f.size(); ++i) {
@@ -94,8 +94,8 @@ class NotificationTest : public ::testing::Test {
     }
     while (!flying.empty()) finish_one();
     const std::string verdict = peer_->process().ReadLine(90s).value_or("<no answer>");
-    EXPECT_EQ(verdict, "OK received=" + std::to_string(count) + " good=" +
-                           std::to_string(count) + " bad=0")
+    EXPECT_EQ(verdict,
+              "OK received=" + std::to_string(count) + " good=" + std::to_string(count) + " bad=0")
         << "round " << round;
   }
 
@@ -144,6 +144,51 @@ TEST_F(NotificationTest, StandaloneNotificationsArriveInOrder) {
   EXPECT_TRUE(rest->empty());
   // Notifications go to the target only.
   EXPECT_TRUE(e->take_notifications().empty());
+}
+
+// A target whose application does not take its notifications holds at most
+// engine.notification_queue_bytes of them: past that new ones are dropped and
+// counted, what it then takes is the first ones in order, and once taken there
+// is room again.
+TEST_F(NotificationTest, UntakenNotificationsAreBoundedAndTheOverflowIsCounted) {
+  auto bounded = StartPeer(
+      {.size = 4096, .seed = 9, .engine_options = {"engine.notification_queue_bytes=4096"}});
+  ASSERT_TRUE(bounded);
+  auto e = MakeEngine();
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(e->connect(ByteView(bounded->metadata)).ok());
+  // 100 B payloads count 164 B each: 24 fit in 4,096 B.
+  auto payload = [](int i) {
+    std::string s = "note-" + std::to_string(i) + " ";
+    s.resize(100, '.');
+    return s;
+  };
+  constexpr int kSent = 60, kFit = 24;
+  for (int i = 0; i < kSent; ++i) {
+    Status s = e->notify(bounded->engine_id, View(payload(i)));
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+  // All of them have arrived once the target counts the overflow.
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  std::string dropped;
+  while ((dropped = bounded->Command("dropped_notifications")) !=
+             "OK " + std::to_string(kSent - kFit) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(dropped, "OK " + std::to_string(kSent - kFit));
+  auto got = Notifications(*bounded, 0, 0ms);
+  ASSERT_TRUE(got.has_value());
+  ASSERT_EQ(got->size(), static_cast<size_t>(kFit));
+  for (int i = 0; i < kFit; ++i) EXPECT_EQ((*got)[i].payload, payload(i));
+  // Taken: room again, and nothing more is dropped.
+  for (int i = 0; i < 5; ++i)
+    ASSERT_TRUE(e->notify(bounded->engine_id, View(payload(100 + i))).ok());
+  got = Notifications(*bounded, 5, 10s);
+  ASSERT_TRUE(got.has_value());
+  ASSERT_EQ(got->size(), 5u);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ((*got)[i].payload, payload(100 + i));
+  EXPECT_EQ(bounded->Command("dropped_notifications"), "OK " + std::to_string(kSent - kFit));
 }
 
 TEST_F(NotificationTest, WriteNotificationsInterleaveInCallOrder) {

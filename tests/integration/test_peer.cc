@@ -147,6 +147,9 @@ struct Peer {
       for (const auto& n : got) out += " " + Hex64(n.peer) + ":" + ToHex(n.payload);
       return out;
     }
+    if (cmd == "dropped_notifications") {
+      return "OK " + std::to_string(engine->dropped_notifications());
+    }
     if (cmd == "watch" && f.size() == 3) return Watch(U64(f[1]), U64(f[2]));
     if (cmd == "connect" && f.size() == 2) {
       auto meta = FromHex(f[1]);

@@ -62,6 +62,12 @@ def _serve(conn, listen, options):
                     engine.connect(meta).write([(r, 0, len(data))], [(desc, 0, len(data))],
                                                notify=b"written-back")
                 conn.send(("ok", None))
+            elif cmd == "notify_n":  # metadata, payloads -> notifies the parent with each
+                meta, payloads = args
+                peer = engine.connect(meta)
+                for payload in payloads:
+                    peer.notify(payload)
+                conn.send(("ok", None))
             elif cmd == "exit":
                 engine.close()
                 conn.send(("ok", None))

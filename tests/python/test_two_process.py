@@ -237,6 +237,29 @@ def test_standalone_notify(engine, target):
     assert [b for _, b in notes] == [b"one", b"two", b"three"]
 
 
+def test_untaken_notifications_are_bounded_and_the_overflow_counted(target):
+    # 100-byte payloads count 164 B each: 24 fit in the 4,096 B bound.
+    payloads = [f"note-{i} ".encode().ljust(100, b".") for i in range(60)]
+    with ferry.Engine(options={"engine.notification_queue_bytes": "4096"}) as bounded:
+        assert bounded.dropped_notifications == 0
+        target.call("notify_n", bounded.metadata(), payloads)
+        import time
+        deadline = time.monotonic() + 20
+        while bounded.dropped_notifications < 36 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bounded.dropped_notifications == 36
+        notes = bounded.notifications()
+        assert [b for _, b in notes] == payloads[:24]
+        assert {p for p, _ in notes} == {target.engine_id}
+        # Taken: there is room again.
+        target.call("notify_n", bounded.metadata(), payloads[:3])
+        notes = []
+        while len(notes) < 3 and time.monotonic() < deadline:
+            notes += bounded.wait_notifications(1.0)
+        assert [b for _, b in notes] == payloads[:3]
+        assert bounded.dropped_notifications == 36
+
+
 def test_target_writes_back_into_parent(engine, target):
     dst = np.zeros(1000, dtype=np.uint8)
     region = engine.register(dst)  # keep it: a collected Region is deregistered
