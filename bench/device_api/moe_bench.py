@@ -58,14 +58,21 @@ def event_pair():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
-def stream_timed(calls, iters):
-    """GPU microseconds of each callable per iteration, all enqueued behind a sleep."""
+def stream_timed(calls, iters, before=None):
+    """GPU microseconds of each callable per iteration, all enqueued behind a sleep.
+
+    before: enqueued ahead of every call, outside its timing -- with
+    gpu_barrier_timed, a barrier among the GPUs (Ferry's SymmetricMemory.barrier
+    kernel), so that each call starts on every GPU within the barrier's skew and
+    neither host launches nor the other GPU's previous call are counted."""
     dist.barrier()
     torch.cuda.synchronize()
     events = [[event_pair() for _ in calls] for _ in range(iters + WARMUP)]
     torch.cuda._sleep(SLEEP_CYCLES)
     for row in events:
         for (a, b), call in zip(row, calls):
+            if before is not None:
+                before()
             a.record()
             call()
             b.record()
@@ -75,23 +82,8 @@ def stream_timed(calls, iters):
 
 
 def gpu_barrier_timed(calls, iters, gpu_barrier):
-    """GPU microseconds of each callable with a barrier among the GPUs (a kernel
-    on the stream, Ferry's SymmetricMemory.barrier) before it, all enqueued
-    behind a sleep: each call starts on every GPU within the barrier's skew,
-    so neither host launches nor the other GPU's previous call are counted."""
-    dist.barrier()
-    torch.cuda.synchronize()
-    events = [[event_pair() for _ in calls] for _ in range(iters + WARMUP)]
-    torch.cuda._sleep(SLEEP_CYCLES)
-    for row in events:
-        for (a, b), call in zip(row, calls):
-            gpu_barrier()
-            a.record()
-            call()
-            b.record()
-    torch.cuda.synchronize()
-    return [[row[j][0].elapsed_time(row[j][1]) * 1000.0 for row in events[WARMUP:]]
-            for j in range(len(calls))]
+    """stream_timed with a barrier among the GPUs before every call."""
+    return stream_timed(calls, iters, before=gpu_barrier)
 
 
 def barrier_timed(calls, iters):
