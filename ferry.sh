@@ -181,6 +181,7 @@ run_tests() {
   fi
   log "AddressSanitizer + UBSan stage: $((SECONDS - t0)) s"
   run_tsan_tests || status=$?
+  run_tsan_python_tests || status=$?
   log "fuzzing (bounded: ${FERRY_FUZZ_SECONDS:-20} s for tcp frames, half for the handshake, a quarter per decoder target)"
   FERRY_FUZZ_SECONDS=${FERRY_FUZZ_SECONDS:-20} FERRY_FUZZ_BUILD_DIR="$BUILD-fuzz" \
     "$ROOT/tests/fuzz/run.sh" || status=$?
@@ -219,6 +220,8 @@ run_tests() {
 # Any report fails the stage: halt_on_error stops the process, and every
 # process (the test peers too) writes its reports under $BUILD-tsan/reports/,
 # which must stay empty. tests/tsan.supp says what is suppressed and why.
+# run_tsan_python_tests (below, run right after) then runs the Python tests
+# where threads and processes meet against the extension built in that tree.
 TSAN_PROGRAMS=(base64_test codec_test crc32_test engine_config_test options_test
   random_bytes_test region_registry_test shm_staging_test shm_transport_test shm_wire_test
   siphash_test stage_trace_test staging_pool_test transfer_status_test transfer_table_test
@@ -250,6 +253,101 @@ run_tsan_tests() {
     status=1
   fi
   log "ThreadSanitizer stage: $((SECONDS - t0)) s"
+  return $status
+}
+
+# --- ThreadSanitizer stage: the Python tests --------------------------------
+# The extension (ferry._ferry, target ferry_python_devtree) is built in the
+# TSan tree above ($BUILD-tsan/python, FERRY_BUILD_PYTHON=ON) against the
+# libferry that run_tsan_tests built there: a tree of its own would build
+# libferry under TSan again, about 5 minutes on 2 cores; this way the build is
+# the extension and nanobind, about 45 s. CPython is not instrumented: the
+# compiler's libtsan is preloaded (LD_PRELOAD) into the interpreter, and the
+# processes it starts (multiprocessing "spawn", subprocess) inherit it, the
+# same TSAN_OPTIONS and, through tests/python/conftest.py, the path to the TSan
+# build (FERRY_PYTHONPATH); a check first makes sure a spawned child loads it.
+# Every process writes its reports under $BUILD-tsan/reports-python/, which
+# must stay empty. About 70 s of tests on 2 cores (docs/reliability.md,
+# "Thread sanitizer"), bounded by FERRY_TSAN_PYTHON_TIMEOUT (300 s):
+#   test_threads.py: Python threads sharing an engine, waiting on one transfer,
+#     woken by close;
+#   test_two_process.py, test_transports.py: transfers with a peer process
+#     (peer_proc.py) over shm and tcp, async forms, notifications, writes back;
+#   test_errors.py: peer disconnected, timeout and cancel, closed engine;
+#   test_compat_uccl.py, test_nixl_compat.py (its listener-thread metadata
+#     exchange and its notifications), test_nixl_compat_vllm.py (vLLM's reads
+#     of KV blocks): the compat layers with a peer process;
+#   test_signals.py::test_ctrl_c_interrupts_wait_notifications: Ctrl-C against
+#     a thread blocked in the engine.
+# Left out: test_signals.py's blocked write (its 256 MiB write into a stopped
+# target takes 30 s under TSan; cancel against the I/O threads is in
+# test_errors.py and the C++ stage); test_directory*.py (45 s, most of it
+# waiting for leases to expire and etcd to restart); the import, buffer and
+# one-process compat files (test_nixl_compat_local.py: configuration, argument
+# checks) and the GPU files (skipped without CUDA); the rest of test_nixl_compat.py and
+# test_uccl_compat_local.py (about 65 s more for the engine paths above).
+TSAN_PYTHON_TESTS=(test_threads.py test_two_process.py test_transports.py test_errors.py
+  test_compat_uccl.py
+  test_nixl_compat.py::test_metadata_through_the_listeners
+  test_nixl_compat.py::test_notifications_keep_order_and_name_the_sender
+  test_nixl_compat_vllm.py
+  test_signals.py::test_ctrl_c_interrupts_wait_notifications)
+
+run_tsan_python_tests() {
+  local dir=$BUILD-tsan t0=$SECONDS status=0
+  log "Python tests where threads and processes meet, under ThreadSanitizer (ferry.sh, run_tsan_python_tests)"
+  install_python_env || return 1
+  local py=$PY_VENV/bin/python tb=$SECONDS
+  if [ ! -f "$dir/build.ninja" ]; then
+    cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DFERRY_TSAN=ON -DFERRY_WITH_CUDA=OFF -DFERRY_BUILD_TOOLS=OFF \
+      -DFERRY_BUILD_PYTHON=ON -DPython_EXECUTABLE="$py" >/dev/null || return 1
+  elif ! grep -qx 'FERRY_BUILD_PYTHON:BOOL=ON' "$dir/CMakeCache.txt"; then
+    cmake -S "$ROOT" -B "$dir" -DFERRY_BUILD_PYTHON=ON -DPython_EXECUTABLE="$py" >/dev/null \
+      || return 1
+  fi
+  if ! ninja -C "$dir" -j"$JOBS" ferry_python_devtree >"$dir/build-python.log" 2>&1; then
+    grep -E "error|FAILED" -A3 "$dir/build-python.log" | head -30
+    log "ThreadSanitizer build of the Python extension failed"; return 1
+  fi
+  log "ThreadSanitizer build of the Python extension: $((SECONDS - tb)) s"
+  local cxx libtsan
+  cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$dir/CMakeCache.txt")
+  libtsan=$("${cxx:-c++}" -print-file-name=libtsan.so)
+  if [ ! -e "$libtsan" ]; then
+    log "no libtsan.so next to ${cxx:-c++} ($libtsan): cannot preload ThreadSanitizer"; return 1
+  fi
+  local reports=$dir/reports-python t1=$SECONDS
+  rm -rf "$reports" && mkdir -p "$reports"
+  local tsan_env=(LD_PRELOAD="$libtsan" FERRY_PYTHONPATH="$dir/python"
+    TSAN_OPTIONS="suppressions=$ROOT/tests/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1 log_path=$reports/tsan")
+  # With the suite's conftest.py, the interpreter and a child it spawns both
+  # load the extension of the TSan tree, with libtsan in the process.
+  local expect="$dir/python/ferry/"
+  if ! (cd "$ROOT/tests/python" && env "${tsan_env[@]}" "$py" -c '
+import multiprocessing as mp, sys
+sys.path.insert(0, ".")
+import conftest
+probe = "(__import__(\"ferry\")._ferry.__file__, \"libtsan\" in open(\"/proc/self/maps\").read())"
+here = eval(probe)
+with mp.get_context("spawn").Pool(1) as pool:
+    child = pool.apply(eval, (probe,))
+for who, (path, tsan) in (("interpreter", here), ("spawned child", child)):
+    if not (path.startswith(sys.argv[1]) and tsan):
+        sys.exit(f"{who}: ferry._ferry from {path}, libtsan loaded: {tsan}")
+' "$expect"); then
+    log "the TSan-built extension is not the one loaded"; status=1
+  else
+    (cd "$ROOT/tests/python" && env "${tsan_env[@]}" timeout -k 10 "${FERRY_TSAN_PYTHON_TIMEOUT:-300}" \
+      "$py" -m pytest -q -p no:cacheprovider "${TSAN_PYTHON_TESTS[@]}") || status=1
+  fi
+  log "Python tests under ThreadSanitizer: $((SECONDS - t1)) s"
+  if compgen -G "$reports/tsan*" >/dev/null; then
+    log "ThreadSanitizer reports from the Python tests (every one fails the stage):"
+    cat "$reports"/tsan* >&2
+    status=1
+  fi
+  log "ThreadSanitizer stage, Python: $((SECONDS - t0)) s"
   return $status
 }
 

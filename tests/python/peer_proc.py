@@ -11,6 +11,8 @@ import traceback
 
 import numpy as np
 
+from cross_process import ordered_by_peer
+
 CTX = mp.get_context("spawn")
 
 
@@ -36,11 +38,15 @@ def _serve(conn, listen, options):
                 name, offset, length, access = args
                 conn.send(("ok", regions[name].advertise(offset, length, access=access)))
             elif cmd == "get":
-                conn.send(("ok", bufs[args[0]].tobytes()))
+                with ordered_by_peer():
+                    data = bufs[args[0]].tobytes()
+                conn.send(("ok", data))
             elif cmd == "fill":  # name, seed
                 name, seed = args
-                bufs[name][:] = np.random.default_rng(seed).integers(0, 256, bufs[name].size,
-                                                                     dtype=np.uint8)
+                data = np.random.default_rng(seed).integers(0, 256, bufs[name].size,
+                                                            dtype=np.uint8)
+                with ordered_by_peer():
+                    bufs[name][:] = data
                 conn.send(("ok", None))
             elif cmd == "dereg":
                 regions[args[0]].deregister()

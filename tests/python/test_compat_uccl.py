@@ -15,6 +15,7 @@ BLOCK = 64 * 1024
 def _server(conn):
     """The 'rank 1' side: accept, register, advertisev, hand out the blobs, verify."""
     import numpy as np
+    from cross_process import dump, ordered_by_peer
     from ferry.compat.uccl import p2p
 
     ep = p2p.Endpoint(0, listen="127.0.0.1:0")
@@ -36,10 +37,12 @@ def _server(conn):
     while True:
         msg = conn.recv()
         if msg == "dump":
-            conn.send([b.tobytes() for b in bufs])
+            conn.send(dump(bufs))
         elif msg == "fill":
             for i, b in enumerate(bufs):
-                b[:] = np.random.default_rng(1000 + i).integers(0, 256, BLOCK, dtype=np.uint8)
+                data = np.random.default_rng(1000 + i).integers(0, 256, BLOCK, dtype=np.uint8)
+                with ordered_by_peer():
+                    b[:] = data
             conn.send("filled")
         elif msg == "exit":
             for m in mr_ids:

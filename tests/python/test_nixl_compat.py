@@ -30,6 +30,7 @@ def _wait(pred, timeout=20.0, what="condition"):
 def _target(conn, listen):
     """The target: registers three buffers (two in one call), then serves commands."""
     import numpy as np
+    from cross_process import dump, ordered_by_peer
     from ferry.compat.nixl import nixl_agent, nixl_agent_config
 
     agent = nixl_agent("target", nixl_agent_config(enable_listen_thread=listen, listen_port=0))
@@ -44,10 +45,12 @@ def _target(conn, listen):
         if cmd == "fill":
             rng = np.random.default_rng(args[0])
             for b in bufs:
-                b[:] = rng.integers(0, 256, b.size, dtype=np.uint8)
+                data = rng.integers(0, 256, b.size, dtype=np.uint8)
+                with ordered_by_peer():
+                    b[:] = data
             conn.send("ok")
         elif cmd == "dump":
-            conn.send([b.tobytes() for b in bufs])
+            conn.send(dump(bufs))
         elif cmd == "notifs":  # wait until `count` messages from `sender` are there
             sender, count = args
             deadline = time.monotonic() + 20

@@ -35,6 +35,7 @@ class FakeTensor:
 def _server(conn, gpu):
     """The other process: an endpoint serving commands from the test."""
     import numpy as np
+    from cross_process import dump
     from ferry.compat.uccl import p2p
 
     ep = p2p.Endpoint(gpu)
@@ -61,7 +62,7 @@ def _server(conn, gpu):
                 descs = ep.register_memory([FakeTensor(b) for b in bufs])
                 conn.send(ep.get_serialized_descs(descs))
             elif cmd == "dump":
-                conn.send([b.tobytes() for b in bufs])
+                conn.send(dump(bufs))
             elif cmd == "exit":
                 ep.close()
                 conn.send("bye")
