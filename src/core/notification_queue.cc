@@ -20,7 +20,8 @@ bool NotificationQueue::push(PeerId peer, Bytes payload) {
   {
     std::unique_lock lock(mu_);
     if (bytes_ + cost > max_bytes_) {
-      const uint64_t queued = queue_.size(), bytes = bytes_, dropped = ++dropped_;
+      const uint64_t queued = queue_.size(), bytes = bytes_, bound = max_bytes_,
+                     dropped = ++dropped_;
       lock.unlock();
       drop_log_.log(
           spdlog::level::warn,
@@ -29,7 +30,7 @@ bool NotificationQueue::push(PeerId peer, Bytes payload) {
                       "taken, the bound is {} B (engine.notification_queue_bytes); {} "
                       "dropped so far. Take them (take_notifications / "
                       "wait_notifications) or raise the bound",
-                      payload.size(), peer, queued, bytes, kEntryOverhead, max_bytes_, dropped));
+                      payload.size(), peer, queued, bytes, kEntryOverhead, bound, dropped));
       return false;
     }
     bytes_ += cost;
