@@ -109,6 +109,36 @@ TEST(StagingArea, CreatedSealedAndMapped) {
   EXPECT_FALSE(StagingArea::create(kMaxStagingBytes + 1, "x").ok());
 }
 
+// Pages of `area` backed by memory (mincore: for a shared mapping, the memfd's pages).
+size_t resident_pages(const StagingArea& area) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> v((area.size() + page - 1) / page);
+  EXPECT_EQ(mincore(area.data(), area.size(), v.data()), 0);
+  return static_cast<size_t>(
+      std::count_if(v.begin(), v.end(), [](unsigned char c) { return c & 1; }));
+}
+
+TEST(StagingArea, PopulateBacksEveryPageAndKeepsItsBytes) {
+  auto mine = StagingArea::create(2 * kMinStagingBytes, "ferry-test");
+  ASSERT_TRUE(mine.ok()) << mine.status().message();
+  const size_t pages = mine->size() / static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::mt19937_64 rng(7);
+  std::vector<uint8_t> pattern(4096);
+  for (auto& b : pattern) b = static_cast<uint8_t>(rng());
+  std::copy(pattern.begin(), pattern.end(), mine->data() + 12345);  // some bytes written before
+  auto theirs = StagingArea::adopt(dup(mine->fd()), mine->size());
+  ASSERT_TRUE(theirs.ok()) << theirs.status().message();
+  EXPECT_LT(resident_pages(*theirs), pages);  // mapped lazily
+  ASSERT_TRUE(mine->populate("this engine's area").ok());
+  ASSERT_TRUE(theirs->populate("the peer's area").ok());
+  EXPECT_EQ(resident_pages(*mine), pages);
+  EXPECT_EQ(resident_pages(*theirs), pages);
+  EXPECT_TRUE(std::equal(pattern.begin(), pattern.end(), theirs->data() + 12345));
+  EXPECT_TRUE(
+      std::all_of(theirs->data(), theirs->data() + 12345, [](uint8_t b) { return b == 0; }));
+  EXPECT_TRUE(StagingArea().populate("an empty area").ok());
+}
+
 TEST(StagingArea, AdoptSharesTheBytesAndChecksTheDescriptor) {
   auto mine = StagingArea::create(2 * kMinStagingBytes, "ferry-test");
   ASSERT_TRUE(mine.ok());

@@ -317,6 +317,13 @@ std::string area_name(uint64_t engine, uint64_t peer) {
 
 // The connecting side's two areas: the peer's (its descriptor `fd`, `their_bytes`
 // long) mapped, ours created, and the ring over ours.
+// Staging mode copies through both areas from the first request on: their
+// pages are backed now (StagingArea::populate).
+Status populate_areas(const Connection& c) {
+  if (Status s = c.own.populate("this engine's staging area"); !s.ok()) return s;
+  return c.theirs.populate("the peer's staging area");
+}
+
 Status take_areas(Connection& c, int fd, uint64_t their_bytes, uint64_t own_bytes,
                   uint64_t engine) {
   auto theirs = StagingArea::adopt(fd, their_bytes);
@@ -388,6 +395,7 @@ Result<HelloDone> ShmTransport::choose_mode(Connection& c, const HelloAck& ack,
       !s.ok()) {
     return s;
   }
+  if (Status s = populate_areas(c); !s.ok()) return s;
   c.staged = true;
   c.mode_text = staging_text(opt_.mode, ack.mode, refusal);
   done.mode = Mode::kStaging;
@@ -584,6 +592,7 @@ Status ShmTransport::on_hello_done(Connection& c, ByteView body) {
     c.theirs = std::move(theirs.value());
     c.own.close_fd();
     c.ring = StagingRing(c.own.size());
+    if (Status s = populate_areas(c); !s.ok()) return s;
     c.staged = true;
     const std::string refusal =
         !c.cma_refusal.empty() || done->cma_refusal.empty()
