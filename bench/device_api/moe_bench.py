@@ -28,6 +28,7 @@ Three timings per system and size, the systems taking turns per size:
 p50 and p99 in microseconds.
 
     python3 bench/device_api/moe_bench.py [--iters 50] [--world 2] [--json FILE]
+    python3 bench/device_api/moe_bench.py --breakdown   # where a one-token call goes
 """
 from __future__ import annotations
 
@@ -120,6 +121,13 @@ def worker(rank, world, port, args, queue):
         experts = world * EXPERTS_PER_RANK
         gen = torch.Generator(device=dev)
         gen.manual_seed(1234 + rank)
+        if args.breakdown:
+            parts = breakdown_runs(moe, world, dev, args.iters)
+            if rank == 0:
+                queue.put(("ok", ("breakdown", parts)))
+            dist.barrier()
+            dist.destroy_process_group()
+            return
         rows = {}
         for t in SIZES:
             x = torch.randn((t, HIDDEN), generator=gen, device=dev).to(torch.bfloat16)
@@ -151,6 +159,47 @@ def worker(rank, world, port, args, queue):
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- reported to the parent, which prints it
         queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+def breakdown_runs(moe, world, dev, iters):
+    """Where a one-token call's time goes: each part timed alone behind a barrier
+    among the GPUs (gpu barrier timing). A one-element torch kernel is the floor
+    of any timed launch; the barrier kernel itself is one signal to and one wait
+    for every other GPU; a 0-token dispatch or combine runs everything but the
+    data (its counts, signals and waits); NCCL moves 2 bytes to each GPU."""
+    gpu_barrier = moe.memory.barrier
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(99 + dist.get_rank())
+    experts = world * EXPERTS_PER_RANK
+
+    def inputs(t):
+        x = torch.randn((t, HIDDEN), generator=gen, device=dev).to(torch.bfloat16)
+        topk = torch.rand((t, experts), generator=gen, device=dev).argsort(dim=1)[:, :TOP_K]
+        w = torch.rand((t, TOP_K), generator=gen, device=dev)
+        return x, topk.contiguous().to(torch.int64), w, torch.empty_like(x)
+
+    (x0, k0, w0, o0), (x1, k1, w1, o1) = inputs(0), inputs(1)
+    one = torch.zeros(1, device=dev)
+    tiny_in = torch.ones(world, dtype=torch.bfloat16, device=dev)
+    tiny_out = torch.empty_like(tiny_in)
+    tok_in = torch.randn((TOP_K, HIDDEN), device=dev).to(torch.bfloat16)
+    tok_out = torch.empty_like(tok_in)
+    groups = [
+        (["one-element torch kernel"], [lambda: one.add_(1)]),
+        (["Ferry barrier kernel"], [gpu_barrier]),
+        (["dispatch, 0 tokens", "combine, 0 tokens"],
+         [lambda: moe.dispatch(x0, k0, w0), lambda: moe.combine(moe.recv_x, out=o0)]),
+        (["dispatch, 1 token", "combine, 1 token"],
+         [lambda: moe.dispatch(x1, k1, w1), lambda: moe.combine(moe.recv_x, out=o1)]),
+        (["NCCL a2a, 2 B per GPU"], [lambda: dist.all_to_all_single(tiny_out, tiny_in)]),
+        (["NCCL a2a, 1 token"], [lambda: dist.all_to_all_single(tok_out, tok_in)]),
+    ]
+    out = {}
+    for names, calls in groups:
+        for name, times in zip(names, gpu_barrier_timed(calls, iters, gpu_barrier)):
+            out[name] = times
+    moe.memory.check_device_error()
+    return out
 
 
 def symm_mem_runs(rank, world, dev, iters, rows, gpu_barrier):
@@ -185,6 +234,8 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default="")
     ap.add_argument("--world", type=int, default=2, help="GPUs (one process each), 2..8")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only the parts of a one-token call (breakdown_runs), not the sizes")
     args = ap.parse_args()
     world = args.world
     if torch.cuda.device_count() < world:
@@ -202,8 +253,10 @@ def main():
     if status != "ok":
         print(payload, file=sys.stderr)
         return 1
-    rows, note = payload
     gpu = torch.cuda.get_device_name(0)
+    if args.breakdown:
+        return print_breakdown(payload[1], gpu, world, args)
+    rows, note = payload
     med = lambda r, k: statistics.median(r[k]) if r.get(k) else float("nan")
     cell = lambda r, k: (f"{med(r, k):8.1f} ({pct(r[k], 0.99):6.1f})" if r.get(k)
                          else f"{'not run':>17}")
@@ -233,6 +286,24 @@ def main():
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     if note:
         print(f"torch symmetric memory: {note}")
+    if args.json:
+        with open(args.json, "a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+    return 0
+
+
+def print_breakdown(parts, gpu, world, args):
+    print(f"\n{gpu} x {world}; where a one-token call goes (hidden {HIDDEN}, top-{TOP_K}, "
+          f"{EXPERTS_PER_RANK} experts per GPU); gpu barrier timing, us of {args.iters} calls")
+    print(f"{'part':<28} {'p50':>8} {'p99':>8}")
+    lines = []
+    for name, times in parts.items():
+        p50 = statistics.median(times)
+        print(f"{name:<28} {p50:8.1f} {pct(times, 0.99):8.1f}")
+        lines.append({"bench": "moe_breakdown", "gpu": gpu, "world": world, "part": name,
+                      "p50_us": p50, "p99_us": pct(times, 0.99), "iters": args.iters,
+                      "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     if args.json:
         with open(args.json, "a") as f:
             for line in lines:

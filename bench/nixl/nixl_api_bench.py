@@ -14,6 +14,8 @@ the ratio Ferry / NIXL, and --json.
         # shm modes; "plugin@FERRY_X=1:FERRY_Y=2" sets any Ferry options for a row
     ... --systems nixl,plugin,plugin-ring,plugin-ring256,plugin-staging,plugin-staging-ring
         # shm's request ring (shm.request_ring) on and off, in both modes
+    ... --systems "nixl,ferry,ferry@FERRY_SHM_REQUEST_RING=true"
+        # ferry.compat.nixl with and without an option (no plugin needed)
 
 The initiator runs NIXL's fastest configuration: nixl_agent_config(
 enable_prog_thread=False) (it then progresses in the caller's polls); the target
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import struct
 import subprocess
@@ -221,16 +224,22 @@ def run_once(python: str, env_extra: dict, api: str, args) -> dict:
         return json.loads(line[len("RESULT "):])
 
 
-def harness(args) -> None:
-    if args.systems != "nixl,ferry,ferry-native":
-        return harness_of(args, args.systems.split(","))
-    import shutil
+def ferry_shim_env(args) -> dict:
+    """The environment under which `import nixl` is ferry.compat.nixl: a folder
+    holding the shim (ferry.compat.nixl.shim) first on PYTHONPATH."""
     shim = tempfile.mkdtemp(prefix="ferry-nixl-shim-")
     # FERRY_PYTHONPATH: a build's package folder, when ferry is not installed.
     ferry_env = {"PYTHONPATH": os.pathsep.join(p for p in (shim, os.environ.get(
         "FERRY_PYTHONPATH"), os.environ.get("PYTHONPATH")) if p)}
     subprocess.run([args.ferry_python, "-m", "ferry.compat.nixl.shim", shim], check=True,
                    capture_output=True, env=dict(os.environ, **ferry_env))
+    return ferry_env
+
+
+def harness(args) -> None:
+    if args.systems != "nixl,ferry,ferry-native":
+        return harness_of(args, args.systems.split(","))
+    ferry_env = ferry_shim_env(args)
     nixl_env = {"PYTHONPATH": os.environ.get("NIXL_PYTHONPATH", "")}
     systems = {"nixl": (args.nixl_python, nixl_env, "nixl"),
                "ferry": (args.ferry_python, ferry_env, "nixl"),
@@ -242,7 +251,7 @@ def harness(args) -> None:
             py, env, api = systems[which]
             runs[which].append(run_once(py, env, api, args))
             print(f"round {r + 1} {which}: {runs[which][-1]}", file=sys.stderr, flush=True)
-    shutil.rmtree(shim, ignore_errors=True)
+    shutil.rmtree(ferry_env["PYTHONPATH"].split(os.pathsep)[0], ignore_errors=True)
     med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
     print(f"{'workload (WRITE, host memory, ' + str(args.inflight) + ' in flight)':<42}"
           f"{'NIXL (UCX)':>11}{'Ferry':>9}{'Ferry/NIXL':>11}{'Ferry API':>11}{'layer':>8}")
@@ -288,12 +297,22 @@ def harness_of(args, names) -> None:
              "plugin-ring256": (args.nixl_python, dict(plugin_env, **ring256), "nixl"),
              "plugin-staging-ring": (args.nixl_python, dict(plugin_env, **staging, **ring),
                                      "nixl")}
-    # "plugin@NAME=VALUE:NAME=VALUE": the plugin with Ferry options set in the
-    # environment of both processes (an A/B of an option in one run).
+    # "ferry" / "ferry-native": the NIXL-API program on ferry.compat.nixl (through
+    # the `nixl` shim) / the same requests on Ferry's own Python API.
+    if any(n == "ferry" or n.startswith(("ferry@", "ferry-native")) for n in names):
+        ferry_env = ferry_shim_env(args)
+        known["ferry"] = (args.ferry_python, ferry_env, "nixl")
+        known["ferry-native"] = (args.ferry_python, ferry_env, "ferry")
+    # "plugin@NAME=VALUE:NAME=VALUE" / "ferry@...": the plugin / the compat layer
+    # with Ferry options set in the environment of both processes (an A/B of an
+    # option in one run).
     for n in names:
-        if n.startswith("plugin@"):
-            extra = dict(kv.split("=", 1) for kv in n[len("plugin@"):].split(":"))
-            known[n] = (args.nixl_python, dict(plugin_env, **extra), "nixl")
+        if n.startswith(("plugin@", "ferry@")):
+            base, _, opts = n.partition("@")
+            extra = dict(kv.split("=", 1) for kv in opts.split(":"))
+            py, env, api = (args.nixl_python, plugin_env, "nixl") if base == "plugin" \
+                else known["ferry"]
+            known[n] = (py, dict(env, **extra), api)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"--systems: {unknown} (this harness runs {sorted(known)})")
