@@ -303,15 +303,15 @@ def harness_of(args, names) -> None:
         ferry_env = ferry_shim_env(args)
         known["ferry"] = (args.ferry_python, ferry_env, "nixl")
         known["ferry-native"] = (args.ferry_python, ferry_env, "ferry")
-    # "plugin@NAME=VALUE:NAME=VALUE" / "ferry@...": the plugin / the compat layer
-    # with Ferry options set in the environment of both processes (an A/B of an
+    # "plugin@NAME=VALUE:NAME=VALUE" / "ferry@..." / "ferry-native@...": the
+    # plugin / the compat layer / Ferry's own API with Ferry options set in the environment of both processes (an A/B of an
     # option in one run).
     for n in names:
-        if n.startswith(("plugin@", "ferry@")):
+        if n.startswith(("plugin@", "ferry@", "ferry-native@")):
             base, _, opts = n.partition("@")
             extra = dict(kv.split("=", 1) for kv in opts.split(":"))
             py, env, api = (args.nixl_python, plugin_env, "nixl") if base == "plugin" \
-                else known["ferry"]
+                else known[base]
             known[n] = (py, dict(env, **extra), api)
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -327,8 +327,12 @@ def harness_of(args, names) -> None:
              "plugin-staging": "FERRY stg", "plugin-staging-nopoll": "stg nopoll",
              "plugin-ring": "FERRY ring", "plugin-ring256": "ring 256K",
              "plugin-staging-ring": "stg ring"}
-    for n in names:
-        label.setdefault(n, n[-11:])
+    legend = []
+    for i, n in enumerate(names):
+        if n not in label:  # an option row: a column number, named below the table
+            label[n] = n if len(n) <= 11 else f"[{i}]"
+            if label[n] != n:
+                legend.append(f"{label[n]} = {n}")
     first = names[0]
     head = f"{'workload (WRITE, host memory, ' + str(args.inflight) + ' in flight)':<42}"
     head += "".join(f"{label[k]:>12}" for k in names)
@@ -336,7 +340,7 @@ def harness_of(args, names) -> None:
              "plugin-staging": "stg", "plugin-staging-nopoll": "stgnp", "plugin-ring": "ring",
              "plugin-ring256": "r256", "plugin-staging-ring": "stgr"}
     for n in names:
-        short.setdefault(n, n[-5:])
+        short.setdefault(n, label[n] if len(label[n]) <= 5 else n[:5])
     head += "".join(f"{short[k] + '/' + short[first]:>12}" for k in names[1:])
     print(head)
     for wname, _, _ in WORKLOADS:
@@ -348,6 +352,8 @@ def harness_of(args, names) -> None:
         print(row + "".join(f"{med[first][m] / med[k][m]:>12.2f}" for k in names[1:]))
     print(f"(medians of {args.rounds} alternating rounds, one NIXL wheel; ratios > 1 favour the "
           "later column; latency ratios are inverted so that > 1 = faster)")
+    for line in legend:
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": runs, "median": med, "inflight": args.inflight}, f, indent=1)
