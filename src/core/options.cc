@@ -12,11 +12,16 @@ namespace {
 
 const char* type_name(OptionType t) {
   switch (t) {
-    case OptionType::kUint: return "uint";
-    case OptionType::kBytes: return "bytes";
-    case OptionType::kBool: return "bool";
-    case OptionType::kString: return "string";
-    case OptionType::kDurationMs: return "duration_ms";
+    case OptionType::kUint:
+      return "uint";
+    case OptionType::kBytes:
+      return "bytes";
+    case OptionType::kBool:
+      return "bool";
+    case OptionType::kString:
+      return "string";
+    case OptionType::kDurationMs:
+      return "duration_ms";
   }
   return "?";
 }
@@ -33,23 +38,34 @@ Result<uint64_t> parse_uint(std::string_view text) {
 Result<uint64_t> parse_value(const OptionSpec& spec, std::string_view text) {
   switch (spec.type) {
     case OptionType::kUint:
-    case OptionType::kDurationMs: return parse_uint(text);
-    case OptionType::kBytes: return parse_byte_size(text);
-    case OptionType::kBool:
-      if (text == "1" || text == "true" || text == "yes" || text == "on") return uint64_t{1};
-      if (text == "0" || text == "false" || text == "no" || text == "off") return uint64_t{0};
-      return err::InvalidArgument(fmt::format("'{}' is not a boolean (true/false)", text));
-    case OptionType::kString: return uint64_t{0};
+    case OptionType::kDurationMs:
+      return parse_uint(text);
+    case OptionType::kBytes:
+      return parse_byte_size(text);
+    case OptionType::kBool: {
+      auto b = parse_bool(text);
+      if (!b.ok()) return b.status();
+      return uint64_t{*b ? 1u : 0u};
+    }
+    case OptionType::kString:
+      return uint64_t{0};
   }
   return err::Internal("unknown option type");
 }
 
 }  // namespace
 
+Result<bool> parse_bool(std::string_view text) {
+  if (text == "1" || text == "true" || text == "yes" || text == "on") return true;
+  if (text == "0" || text == "false" || text == "no" || text == "off") return false;
+  return err::InvalidArgument(fmt::format("'{}' is not a boolean (true/false)", text));
+}
+
 std::string option_env_name(std::string_view option_name) {
   std::string env = "FERRY_";
   for (char c : option_name) {
-    env += (c == '.' || c == '-') ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    env += (c == '.' || c == '-') ? '_'
+                                  : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   }
   return env;
 }
@@ -63,14 +79,22 @@ Result<uint64_t> parse_byte_size(std::string_view text) {
   std::string unit(text.substr(digits));
   for (auto& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   uint64_t scale = 0;
-  if (unit.empty() || unit == "b") scale = 1;
-  else if (unit == "k" || unit == "kib") scale = 1ull << 10;
-  else if (unit == "m" || unit == "mib") scale = 1ull << 20;
-  else if (unit == "g" || unit == "gib") scale = 1ull << 30;
-  else if (unit == "kb") scale = 1000;
-  else if (unit == "mb") scale = 1000 * 1000;
-  else if (unit == "gb") scale = 1000ull * 1000 * 1000;
-  else return err::InvalidArgument(fmt::format("'{}' has an unknown size unit '{}'", text, unit));
+  if (unit.empty() || unit == "b")
+    scale = 1;
+  else if (unit == "k" || unit == "kib")
+    scale = 1ull << 10;
+  else if (unit == "m" || unit == "mib")
+    scale = 1ull << 20;
+  else if (unit == "g" || unit == "gib")
+    scale = 1ull << 30;
+  else if (unit == "kb")
+    scale = 1000;
+  else if (unit == "mb")
+    scale = 1000 * 1000;
+  else if (unit == "gb")
+    scale = 1000ull * 1000 * 1000;
+  else
+    return err::InvalidArgument(fmt::format("'{}' has an unknown size unit '{}'", text, unit));
   if (*number > UINT64_MAX / scale) {
     return err::InvalidArgument(fmt::format("'{}' overflows 64 bits", text));
   }
@@ -102,8 +126,8 @@ Result<OptionSet> OptionSet::resolve(std::span<const OptionSpec> specs,
     }
     auto parsed = parse_value(spec, text);
     if (!parsed.ok()) {
-      return err::InvalidArgument(fmt::format("option {} (from {}): {}", spec.name, source,
-                                              parsed.status().message()));
+      return err::InvalidArgument(
+          fmt::format("option {} (from {}): {}", spec.name, source, parsed.status().message()));
     }
     if (spec.type != OptionType::kString && spec.type != OptionType::kBool &&
         (*parsed < spec.min || *parsed > spec.max)) {
@@ -127,8 +151,14 @@ const OptionSet::Value& OptionSet::at(std::string_view name) const {
   return it->second;
 }
 
-uint64_t OptionSet::get_uint(std::string_view name) const { return at(name).number; }
-bool OptionSet::get_bool(std::string_view name) const { return at(name).number != 0; }
-const std::string& OptionSet::get_string(std::string_view name) const { return at(name).text; }
+uint64_t OptionSet::get_uint(std::string_view name) const {
+  return at(name).number;
+}
+bool OptionSet::get_bool(std::string_view name) const {
+  return at(name).number != 0;
+}
+const std::string& OptionSet::get_string(std::string_view name) const {
+  return at(name).text;
+}
 
 }  // namespace ferry

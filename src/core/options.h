@@ -29,6 +29,8 @@ struct OptionSpec {
 std::string option_env_name(std::string_view option_name);
 // Parses "4KiB", "1MiB", "1048576", "2GB" (decimal) into bytes.
 Result<uint64_t> parse_byte_size(std::string_view text);
+// Parses 1/true/yes/on and 0/false/no/off, as boolean options take them.
+Result<bool> parse_bool(std::string_view text);
 
 class OptionSet {
  public:

@@ -10,6 +10,7 @@
 #include "transport/shm/shm_transport.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "core/random_bytes.h"
+#include "core/usable_cpus.h"
 #include "ferry/gpu.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
@@ -471,6 +473,41 @@ TEST(ShmCopyThreads, DefaultFollowsTheCpus) {
   Side side(Options{{"shm.copy_threads", "3"}});
   ASSERT_TRUE(side.started.ok()) << side.started.to_string();
   EXPECT_EQ(counter(side, "copy_threads"), 3u);
+}
+
+// shm.request_ring=auto turns the ring on only where this process may use 8
+// CPUs or more; true and false force it; anything else is an error naming it.
+TEST(ShmRequestRingOption, AutoFollowsTheCpusAndBadValuesAreNamed) {
+  {
+    Side automatic(Options{});
+    ASSERT_TRUE(automatic.started.ok()) << automatic.started.to_string();
+    EXPECT_EQ(counter(automatic, "request_ring"), usable_cpus() >= 8 ? 1u : 0u);
+  }
+  cpu_set_t all, one;
+  ASSERT_EQ(sched_getaffinity(0, sizeof all, &all), 0);
+  CPU_ZERO(&one);
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &all)) {
+      CPU_SET(c, &one);
+      break;
+    }
+  }
+  ASSERT_EQ(sched_setaffinity(0, sizeof one, &one), 0);
+  {
+    Side pinned(Options{});  // one CPU: the two sides could not both poll
+    EXPECT_EQ(counter(pinned, "request_ring"), 0u);
+  }
+  ASSERT_EQ(sched_setaffinity(0, sizeof all, &all), 0);
+  for (const auto& [value, want] :
+       {std::pair{"true", 1u}, std::pair{"on", 1u}, std::pair{"false", 0u}, std::pair{"0", 0u}}) {
+    Side side(Options{{"shm.request_ring", value}});
+    ASSERT_TRUE(side.started.ok()) << value << ": " << side.started.to_string();
+    EXPECT_EQ(counter(side, "request_ring"), want) << value;
+  }
+  Side bad(Options{{"shm.request_ring", "sometimes"}});
+  EXPECT_EQ(bad.started.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.started.message().find("shm.request_ring: 'sometimes'"), std::string::npos)
+      << bad.started.message();
 }
 
 // A KV-cache-like batch -- blocks of an odd size, scattered on the target --

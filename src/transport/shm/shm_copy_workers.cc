@@ -193,6 +193,7 @@ class CopyInFlight {
 
 std::vector<std::pair<std::string, uint64_t>> ShmTransport::counters() const {
   return {{"copy_threads", opt_.copy_threads},
+          {"request_ring", opt_.request_ring ? 1u : 0u},  // shm.request_ring as resolved
           {"requests_copied", requests_copied_.load(std::memory_order_relaxed)},
           {"peak_parallel_copies", peak_parallel_copies_.load(std::memory_order_relaxed)},
           {"ring_posted", ring_posted_.load(std::memory_order_relaxed)},

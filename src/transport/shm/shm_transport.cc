@@ -19,6 +19,7 @@
 #include "core/gpu_path.h"
 #include "core/random_bytes.h"
 #include "core/thread_name.h"
+#include "core/usable_cpus.h"
 #include "cuda/host_device_copy.h"
 #include "ferry/gpu.h"
 #include "fmt/format.h"
@@ -79,13 +80,14 @@ const OptionSpec kShmOptionSpecs[] = {
      "connection for the requests it initiates; it bounds the bytes in flight per connection "
      "and direction",
      kMinStagingBytes, kMaxStagingBytes},
-    {"shm.request_ring", OptionType::kBool, "false",
+    {"shm.request_ring", OptionType::kString, "auto",
      "small requests (shm.ring_max_bytes) and their answers go through a ring in shared memory "
      "instead of socket frames: the waiting caller reads its answer there without a system call, "
      "and the target polls the ring while it busy-polls (shm.busy_poll_us); the target checks "
      "and copies them exactly as socket requests. Used on a connection where both engines turn "
-     "it on"},
-    {"shm.ring_max_bytes", OptionType::kBytes, "64KiB",
+     "it on. auto: on where the process may use 8 CPUs or more (both sides then poll on cores "
+     "of their own), else off; or true / false"},
+    {"shm.ring_max_bytes", OptionType::kBytes, "256KiB",
      "the largest request (payload bytes) that goes through the request ring", 0, 1 << 20},
 };
 const size_t kShmOptionSpecCount = std::size(kShmOptionSpecs);
@@ -94,13 +96,21 @@ using namespace internal;  // NOLINT(google-build-using-namespace): this transpo
 
 namespace {
 
-// CPUs this process may run on.
-uint32_t usable_cpus() {
-  cpu_set_t set;
-  long cpus = 0;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) cpus = CPU_COUNT(&set);
-  if (cpus <= 0) cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  return static_cast<uint32_t>(std::max<long>(cpus, 1));
+// shm.request_ring. Both sides of a ring poll it, so it pays only where each
+// has a core to poll on: through NIXL's API, a blocking 4 KiB write took
+// 12.3 -> 5.7 us (64 CPUs) and 13.2 -> 7.7 us (32 CPUs) with it, the
+// bandwidth rows level or better, but 24.3 -> 66.1 us on 2 CPUs
+// (docs/benchmarks.md, "shm: small requests through the request ring").
+constexpr uint32_t kRingMinCpus = 8;
+
+Result<bool> parse_request_ring(const std::string& v) {
+  if (v == "auto") return usable_cpus() >= kRingMinCpus;
+  auto b = parse_bool(v);
+  if (!b.ok()) {
+    return err::InvalidArgument(
+        fmt::format("option shm.request_ring: '{}' is none of auto, true, false", v));
+  }
+  return *b;
 }
 
 }  // namespace
@@ -194,7 +204,9 @@ Status ShmTransport::read_options() {
         fmt::format("option shm.mode: '{}' is none of auto, cma, staging", mode));
   }
   opt_.staging_bytes = o.get_uint("shm.staging_bytes");
-  opt_.request_ring = o.get_bool("shm.request_ring");
+  auto ring = parse_request_ring(o.get_string("shm.request_ring"));
+  if (!ring.ok()) return ring.status();
+  opt_.request_ring = *ring;
   opt_.ring_max_bytes = o.get_uint("shm.ring_max_bytes");
   // The engine validated it; empty where only shm's options exist (tests).
   const std::string& gpu_path = o.get_string(kGpuSameHostPathOption);

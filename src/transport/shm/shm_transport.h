@@ -87,7 +87,7 @@ struct ShmOptions {
   bool gpu_areas = true;
   // Small requests through shared-memory request rings (shm_request_ring.h).
   bool request_ring = false;
-  uint64_t ring_max_bytes = 64 << 10;
+  uint64_t ring_max_bytes = 256 << 10;
 };
 
 // Copy workers woken for any task; the rest of shm.copy_threads only for a

@@ -4,12 +4,12 @@
 // receiving in tcp_progress.cc.
 #include "transport/tcp/tcp_transport.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 
 #include "core/random_bytes.h"
+#include "core/usable_cpus.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
 
@@ -81,22 +81,13 @@ std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
 }
 
-// CPUs this process may run on.
-long usable_cpus() {
-  cpu_set_t set;
-  long cpus = 0;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) cpus = CPU_COUNT(&set);
-  if (cpus <= 0) cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  return cpus;
-}
-
 // One I/O thread per 4 CPUs, 1 to 4. Every extra thread that has work costs
 // wake-ups and context switches once threads outnumber cores: on a 2-core
 // machine running both ends, 2 threads per engine (5 busy threads) did
 // 2.2-2.8 context switches per 64 KiB write at depth 8, 1 thread 1.1-1.3,
 // and 64 KiB went from 2.31 to 2.84 GB/s (medians of 3, docs/benchmarks.md).
 uint32_t default_io_threads() {
-  return static_cast<uint32_t>(std::clamp<long>(usable_cpus() / 4, 1, 4));
+  return static_cast<uint32_t>(std::clamp<uint32_t>(usable_cpus() / 4, 1, 4));
 }
 
 // tcp.busy_poll_us: "auto" or a count of microseconds.
