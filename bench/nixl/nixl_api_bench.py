@@ -16,6 +16,8 @@ the ratio Ferry / NIXL, and --json.
         # shm's request ring (shm.request_ring) on and off, in both modes
     ... --systems "nixl,ferry,ferry@FERRY_SHM_REQUEST_RING=true"
         # ferry.compat.nixl with and without an option (no plugin needed)
+    ... --place netns   # target and initiator in two network namespaces (a veth
+        # between them), both systems over tcp, as between two hosts (root)
 
 The initiator runs NIXL's fastest configuration: nixl_agent_config(
 enable_prog_thread=False) (it then progresses in the caller's polls); the target
@@ -34,6 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import netns  # noqa: E402  (bench/netns.py: two network namespaces and their veth pair)
 
 WORKLOADS = [  # (name, block bytes, blocks per call)
     ("4 KiB x 64", 4096, 64),
@@ -198,17 +203,35 @@ def initiator(args) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def place_of(args, side: int) -> tuple[list, dict]:
+    """Command prefix and environment of one side (netns.TARGET / netns.INITIATOR).
+    --place netns: the side runs in its network namespace, as on a host of its own,
+    and both systems keep to the network: NIXL's UCX to tcp on the veth
+    (UCX_TLS=tcp, UCX_NET_DEVICES), Ferry to tcp on the veth's address
+    (FERRY_ENGINE_TRANSPORTS=tcp, FERRY_NIXL_LISTEN), so neither takes a same-host
+    path that two hosts would not have."""
+    if args.place != "netns":
+        return [], {}
+    return netns.prefix("netns", side), {
+        "UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.VETH[side],
+        "FERRY_ENGINE_TRANSPORTS": "tcp", "FERRY_NIXL_LISTEN": f"{netns.ADDR[side]}:0"}
+
+
 def run_once(python: str, env_extra: dict, api: str, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="nixl-bench-") as d:
         env = dict(os.environ, **env_extra)
         me = os.path.abspath(__file__)
         common = ["--dir", d, "--inflight", str(args.inflight), "--lat-iters", str(args.lat_iters),
                   "--bytes-per-point", str(args.bytes_per_point)]
-        t = subprocess.Popen([python, me, "--role", "target"] + common, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        t_prefix, t_env = place_of(args, netns.TARGET)
+        i_prefix, i_env = place_of(args, netns.INITIATOR)
+        t = subprocess.Popen(t_prefix + [python, me, "--role", "target"] + common,
+                             env=dict(env, **t_env), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
         try:
-            res = subprocess.run([python, me, "--role", "initiator", "--api", api] + common, env=env,
-                                 capture_output=True, text=True, timeout=600)
+            res = subprocess.run(i_prefix + [python, me, "--role", "initiator", "--api", api]
+                                 + common, env=dict(env, **i_env), capture_output=True, text=True,
+                                 timeout=600)
             if res.returncode != 0 and "RESULT " in res.stdout:
                 # NIXL 1.5.1's agent can crash in its destructor at exit (SIGSEGV)
                 # after the run finished; the measurement stands, the crash is noted.
@@ -236,7 +259,14 @@ def ferry_shim_env(args) -> dict:
     return ferry_env
 
 
+def print_place(args) -> None:
+    if args.place == "netns":
+        print(f"target in network namespace {netns.NS[0]}, initiator in {netns.NS[1]}, a veth "
+              "between them; NIXL with UCX_TLS=tcp, Ferry with FERRY_ENGINE_TRANSPORTS=tcp")
+
+
 def harness(args) -> None:
+    print_place(args)
     if args.systems != "nixl,ferry,ferry-native":
         return harness_of(args, args.systems.split(","))
     ferry_env = ferry_shim_env(args)
@@ -374,10 +404,22 @@ def main() -> None:
     p.add_argument("--systems", default="nixl,ferry,ferry-native",
                    help="comma list; 'nixl,plugin' compares NIXL's UCX backend with "
                         "libplugin_FERRY.so under the same NIXL wheel (needs --plugin-dir)")
+    p.add_argument("--place", choices=["host", "netns"], default="host",
+                   help="host: both processes on this host as they are; netns: the target in "
+                        f"network namespace {netns.NS[0]} ({netns.ADDR[0]}), the initiator in "
+                        f"{netns.NS[1]} ({netns.ADDR[1]}), joined by a veth pair, both systems "
+                        "over tcp as between two hosts (bench/netns.py; needs root)")
     p.add_argument("--plugin-dir", default="build/nixl_plugins",
                    help="folder holding libplugin_FERRY.so, for the 'plugin' system")
     args = p.parse_args()
-    {"harness": harness, "target": target, "initiator": initiator}[args.role](args)
+    if args.role != "harness" or args.place != "netns":
+        {"harness": harness, "target": target, "initiator": initiator}[args.role](args)
+        return
+    netns.up()
+    try:
+        harness(args)
+    finally:
+        netns.down()  # always: a namespace left behind keeps its veth
 
 
 if __name__ == "__main__":
