@@ -315,8 +315,6 @@ std::string area_name(uint64_t engine, uint64_t peer) {
   return fmt::format("ferry-shm-{:016x}-to-{:016x}", engine, peer);
 }
 
-// The connecting side's two areas: the peer's (its descriptor `fd`, `their_bytes`
-// long) mapped, ours created, and the ring over ours.
 // Staging mode copies through both areas from the first request on: their
 // pages are backed now (StagingArea::populate).
 Status populate_areas(const Connection& c) {
@@ -324,6 +322,8 @@ Status populate_areas(const Connection& c) {
   return c.theirs.populate("the peer's staging area");
 }
 
+// The connecting side's two areas: the peer's (its descriptor `fd`, `their_bytes`
+// long) mapped, ours created, and the ring over ours.
 Status take_areas(Connection& c, int fd, uint64_t their_bytes, uint64_t own_bytes,
                   uint64_t engine) {
   auto theirs = StagingArea::adopt(fd, their_bytes);
