@@ -4,6 +4,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -52,7 +53,10 @@ struct PyTransfer {
   size_t iovs = 0;
   uint64_t bytes = 0;
   std::mutex mu;  // taken only with the GIL released
-  bool finished = false;
+  // Set under `mu` (GIL released) once final_status is written; read without
+  // the lock by threads that hold the GIL, two of which may wait on one
+  // transfer: atomic, so that a reader that sees it sees final_status too.
+  std::atomic<bool> finished{false};
   ferry::Status final_status;
   Holder holder;
 
@@ -68,14 +72,6 @@ struct PyTransfer {
     } else if (!box->weak.expired()) {
       holder.leak();  // closed but not yet destroyed: the memory may still be in use
     }
-  }
-
-  // GIL held on entry. Records a final status.
-  void finish(const ferry::Status& st) {
-    if (st.code() == StatusCode::kInProgress) return;
-    finished = true;
-    final_status = st;
-    holder.clear();
   }
 
   // Polls once without blocking; GIL held on entry.

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "../integration/fixture.h"
+#include "../integration/stopped_process.h"
 #include "transport/fabric/fabric_wire.h"
 
 namespace ferry::itest {
@@ -360,7 +361,11 @@ TEST_F(FabricTest, HeldSmallOperationsEndWhenCancelledOrThePeerDies) {
     ASSERT_TRUE(s.ok()) << i << ": " << s.to_string();
     ASSERT_EQ(peer_->Checksum(kBig + i * 8192, 4096), PatternHash(seed, kBig + i * 8192, 4096));
   }
-  // Round 2: the peer is killed with small writes held behind large ones.
+  // Round 2: the peer is killed with small writes held behind large ones. It
+  // is stopped first, so that none of them can complete before the kill (on a
+  // slow build they all had, and the round tested nothing).
+  peer_->process().Kill(SIGSTOP);
+  ASSERT_TRUE(WaitAllThreadsStopped(peer_->process().pid(), 10s));
   ids.clear();
   for (int k = 0; k < 3; ++k) {
     auto id = e->write_async(*pid, {&bl, 1}, {&br, 1});

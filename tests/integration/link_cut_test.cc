@@ -21,13 +21,12 @@
 // network namespaces cannot be made.
 #include <signal.h>
 
-#include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <sstream>
 
 #include "fixture.h"
 #include "netns_pair.h"
+#include "stopped_process.h"
 
 namespace ferry::itest {
 namespace {
@@ -50,28 +49,6 @@ std::vector<std::string> Split(const std::string& s) {
   std::istringstream in(s);
   for (std::string w; in >> w;) out.push_back(w);
   return out;
-}
-
-// True once every thread of `pid` is stopped ('T' in /proc/pid/task/*/stat).
-bool WaitStopped(pid_t pid, std::chrono::milliseconds limit) {
-  const auto deadline = Clock::now() + limit;
-  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
-  do {
-    bool all = true, any = false;
-    for (const auto& t : std::filesystem::directory_iterator(tasks)) {
-      std::ifstream in(t.path() / "stat");
-      std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      const auto paren = stat.rfind(')');  // the command name may hold spaces
-      any = true;
-      if (paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'T') {
-        all = false;
-        break;
-      }
-    }
-    if (any && all) return true;
-    std::this_thread::sleep_for(1ms);
-  } while (Clock::now() < deadline);
-  return false;
 }
 
 class LinkCut : public ::testing::Test {
@@ -105,7 +82,7 @@ class LinkCut : public ::testing::Test {
     target().process().Kill(SIGSTOP);
     // kill() returns when the signal is queued; on a loaded machine the
     // target's threads stop later. Post only once every one of them has.
-    EXPECT_TRUE(WaitStopped(target().process().pid(), 10s))
+    EXPECT_TRUE(WaitAllThreadsStopped(target().process().pid(), 10s))
         << "the target did not stop within 10 s of SIGSTOP";
     const std::string rw = ToHex(target().rw.to_bytes());
     EXPECT_EQ(initiator().Command("post " + tid_ + " " + rw + " 0 " + std::to_string(kWriteBytes) +

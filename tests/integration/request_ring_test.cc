@@ -9,14 +9,13 @@
 #include <signal.h>
 
 #include <atomic>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <random>
 #include <thread>
 
 #include "fixture.h"
+#include "stopped_process.h"
 
 namespace ferry::itest {
 namespace {
@@ -33,28 +32,6 @@ uint64_t Counter(const Engine& e, const std::string& name) {
     }
   }
   return 0;
-}
-
-// Waits (up to 5 s) until every thread of `pid` is stopped ('T' in its stat).
-bool AllThreadsStopped(pid_t pid) {
-  const auto deadline = std::chrono::steady_clock::now() + 5s;
-  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
-  while (std::chrono::steady_clock::now() < deadline) {
-    bool all = true;
-    for (const auto& task : std::filesystem::directory_iterator(tasks)) {
-      std::ifstream stat(task.path() / "stat");
-      std::string line;
-      std::getline(stat, line);
-      const size_t close = line.rfind(')');
-      if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T') {
-        all = false;
-        break;
-      }
-    }
-    if (all) return true;
-    std::this_thread::sleep_for(1ms);
-  }
-  return false;
 }
 
 class RequestRingTest : public ::testing::TestWithParam<const char*> {
@@ -281,7 +258,7 @@ TEST_P(RequestRingTest, TargetKilledWhileARingRequestWaits) {
   peer->process().Kill(SIGSTOP);
   // Every thread of it stopped (a busy-polling target serves a ring request
   // within microseconds, faster than a stop signal reaches all its threads).
-  ASSERT_TRUE(AllThreadsStopped(peer->process().pid()));
+  ASSERT_TRUE(WaitAllThreadsStopped(peer->process().pid(), 5s));
   std::vector<TransferId> ids;
   for (int i = 0; i < 8; ++i) {
     auto id = i % 2 == 0 ? engine->write_async(*pid, {&l, 1}, {&r, 1})
