@@ -510,10 +510,11 @@ Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
         entry.transfer = t;
         // Small ones through the request ring where it may take them.
         const auto gpu = [](int device) { return device >= 0; };
-        const bool touches_gpu =
-            std::any_of(copy_in_devices.begin(), copy_in_devices.end(), gpu) ||
-            std::any_of(entry.copy_out_devices.begin(), entry.copy_out_devices.end(), gpu);
-        in_ring = c->rings && (opt_.ring_carries_gpu || !touches_gpu) &&
+        const auto touches_gpu = [&] {
+          return std::any_of(copy_in_devices.begin(), copy_in_devices.end(), gpu) ||
+                 std::any_of(entry.copy_out_devices.begin(), entry.copy_out_devices.end(), gpu);
+        };
+        in_ring = c->rings && (opt_.ring_carries_gpu || !touches_gpu()) &&
                   ring_post_locked(*c, id, frame, entry);
         if (!in_ring) {
           entry.on_socket = true;

@@ -205,10 +205,11 @@ Status ShmTransport::read_options() {
         fmt::format("option shm.mode: '{}' is none of auto, cma, staging", mode));
   }
   opt_.staging_bytes = o.get_uint("shm.staging_bytes");
-  auto ring = parse_request_ring(o.get_string("shm.request_ring"));
+  const std::string& ring_text = o.get_string("shm.request_ring");
+  auto ring = parse_request_ring(ring_text);
   if (!ring.ok()) return ring.status();
   opt_.request_ring = *ring;
-  opt_.ring_carries_gpu = *ring && o.get_string("shm.request_ring") != "auto";
+  opt_.ring_carries_gpu = *ring && ring_text != "auto";
   opt_.ring_max_bytes = o.get_uint("shm.ring_max_bytes");
   // The engine validated it; empty where only shm's options exist (tests).
   const std::string& gpu_path = o.get_string(kGpuSameHostPathOption);

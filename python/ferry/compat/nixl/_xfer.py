@@ -77,7 +77,7 @@ class XferRequest:
         self._is_write = self.op == nixl_xfer_op_t.NIXL_WRITE
         # Times are taken only for an agent that reports telemetry: three clock
         # reads a post are a tenth of the layer's cost on a 4 KiB write.
-        self._timed = bool(getattr(agent, "telemetry", False))
+        self._timed = agent.telemetry
         prepare = peer.prepare_write if self._is_write else peer.prepare_read
         try:
             # region=None: the local column is addresses (checked against this
