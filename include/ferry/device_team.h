@@ -22,6 +22,7 @@ enum DeviceErrorCode : uint32_t {
   kDeviceErrorBadPeer = 2,      // a put/signal named a member outside [0, size)
   kDeviceErrorBadSlot = 3,      // a signal/wait named a slot outside [0, signal_slots)
   kDeviceErrorOutOfRange = 4,   // a put outside [0, data_bytes)
+  kDeviceErrorLineTimeout = 5,  // a low-latency line from `peer` kept an older flag for timeout_ns
 };
 
 struct DeviceError {
@@ -29,8 +30,8 @@ struct DeviceError {
   int32_t rank;       // the member whose kernel recorded it
   int32_t peer;       // the member named by the failing call (-1: none)
   uint32_t slot;      // the signal slot (wait, signal)
-  uint64_t expected;  // wait: the value waited for; put: offset + bytes asked for
-  uint64_t observed;  // wait: the slot's last value; put: data_bytes
+  uint64_t expected;  // wait: the value waited for; put: offset + bytes asked for; line: flag
+  uint64_t observed;  // wait: the slot's last value; put: data_bytes; line: the flag seen
   uint64_t waited_ns;
   uint32_t block;  // blockIdx.x and threadIdx.x of the recording thread
   uint32_t thread;

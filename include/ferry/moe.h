@@ -24,6 +24,13 @@
 // (the combine of a round is what tells a member that its peers are done with
 // its previous dispatch's data); each member makes the same calls. A
 // SymmetricMemory carries one MoeExchange for its whole life.
+//
+// Calls of at most 8 tokens (a decode step's) take a low-latency path: rows and
+// their routing travel in 16-byte stores that each carry a completion flag, so
+// that no fence or separate signal stands between the data and its receiver.
+// Such a call launches at most 16 blocks, which is also what it has to receive
+// other members' rows: members whose calls differ widely in size stay correct
+// but the small ones receive slowly.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +58,11 @@ struct MoeLayout {
   uint64_t meta_offset = 0;      // int4 [size][max_tokens][1 + top_k]: where each goes
   uint64_t counts_offset = 0;    // int32 [2][size][experts_per_rank]
   uint64_t partial_offset = 0;   // bf16 [size][max_tokens][hidden]: combine's returned sums
+  // Low-latency areas of calls with few tokens (flags in every 16-byte store):
+  uint64_t ll_offset = 0;          // [2][size][L][meta + row] dispatch lines
+  uint64_t ll_counts_offset = 0;   // [2][size][experts_per_rank] counts ({count, flag})
+  uint64_t ll_partial_offset = 0;  // [size][L][row] combine's returned sums
+  int ll_tokens = 0;               // L: calls of at most this many tokens take that path
   uint64_t data_bytes = 0;
   uint32_t signal_slots = 0;  // 2 sets of one per source (dispatch), one per member (combine)
 };

@@ -14,6 +14,10 @@
 //       out = sum of weight x row over this member's own experts (read in
 //             place from y) + the other members' partial rows
 //     accumulated in fp32, rounded to bf16 once. Every row is read once.
+// Low latency (a source's call of at most ll_tokens tokens, moe_kernels.h):
+// the partial rows for that source travel in flagged lines, which the source
+// polls instead of waiting for a signal; a member with no other source sends
+// no signal and waits for no unit.
 #include "symmetric/moe_device.cuh"
 
 namespace ferry::symmetric {
@@ -61,9 +65,12 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
   // 1. expert side: one partial row per (source, token) this member served.
   int total_tokens = 0;
   for (int i = 1; i < W; ++i) total_tokens += a.tokens_from[(me + i) % W];
+  bool signals = false;  // some source waits for a signal, not for lines
+  for (int i = 1; i < W; ++i) signals |= a.tokens_from[(me + i) % W] > a.ll_tokens;
+  moe::LinePoll lines(team, round32);
   const int chunks = moe::chunks_per_row(row_vectors, total_tokens, g.warps);
   const unsigned units = static_cast<unsigned>(total_tokens * chunks);
-  bool last = units == 0 && g.warp == 0;
+  bool last = signals && units == 0 && g.warp == 0;
   for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
     // Unit w -> (source s, token t, chunk c), the sources one after the other.
     int t = static_cast<int>(w / static_cast<unsigned>(chunks));
@@ -80,10 +87,15 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     if (lanes != 0) {
       uint64_t first = 0, end = 0;
       moe::chunk_range(row_vectors, chunks, c, &first, &end);
-      moe::weighted_sum(at.partial_row(s, me, t), row, weight, lanes, nullptr, 0u, first, end,
-                        lane);
+      if (a.tokens_from[s] <= a.ll_tokens) {
+        moe::weighted_sum<false, true>(at.line_partial(s, me, t), row, weight, lanes, nullptr, 0u,
+                                       first, end, lane, &lines);
+      } else {
+        moe::weighted_sum(at.partial_row(s, me, t), row, weight, lanes, nullptr, 0u, first, end,
+                          lane);
+      }
     }
-    if (moe::finish_unit(a.units_done, units, lane)) last = true;
+    if (signals && moe::finish_unit(a.units_done, units, lane)) last = true;
   }
 
   // 2. the last unit's warp: every row is out; tell every other member.
@@ -106,9 +118,18 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     const int4* row = nullptr;
     float weight = 0.f;
     const unsigned own_lanes = load_entries(at.meta(me, me, t), me, &row, &weight);
+    const bool mine = lane < W && lane != me && ((remote >> lane) & 1u) != 0;
+    uint64_t first = 0, end = 0;
+    moe::chunk_range(row_vectors, out_chunks, c, &first, &end);
+    if (a.num_tokens <= a.ll_tokens) {  // lines: polled as they come
+      const int4* partial = mine ? at.line_partial(me, lane, t) : nullptr;
+      moe::weighted_sum<true, false>(out + static_cast<uint64_t>(t) * row_vectors, row, weight,
+                                     own_lanes, partial, __ballot_sync(kFullMask, mine), first, end,
+                                     lane, &lines);
+      continue;
+    }
     // Lane d waits for member d; then every lane acquires every such signal
     // itself, so that its loads of the partial rows see them.
-    const bool mine = lane < W && lane != me && ((remote >> lane) & 1u) != 0;
     if (mine) device::wait(team, a.combine_slot + static_cast<uint32_t>(lane), a.round);
     __syncwarp();
     for (unsigned m = remote; m != 0; m &= m - 1) {
@@ -116,8 +137,6 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     }
     const int4* partial = mine ? at.partial_row(me, lane, t) : nullptr;
     const unsigned partial_lanes = __ballot_sync(kFullMask, mine);
-    uint64_t first = 0, end = 0;
-    moe::chunk_range(row_vectors, out_chunks, c, &first, &end);
     moe::weighted_sum(out + static_cast<uint64_t>(t) * row_vectors, row, weight, own_lanes, partial,
                       partial_lanes, first, end, lane);
   }

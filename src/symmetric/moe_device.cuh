@@ -119,6 +119,149 @@ __device__ __forceinline__ void fan_copy(const int4* src, int4* dst, unsigned ds
   }
 }
 
+// --- low-latency lines (moe_kernels.h) ---------------------------------------
+// A row vector (16 bytes) travels as two line vectors {x, flag, y, flag} and
+// {z, flag, w, flag}, each stored and loaded 16 bytes at once (volatile: no
+// cache holds a stale copy); the hardware keeps each 8-byte half whole, so a
+// reader that sees both flags sees both data words. No fence is needed.
+
+__device__ __forceinline__ void ll_store(int4* p, uint32_t lo, uint32_t hi, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(lo), "r"(flag),
+               "r"(hi), "r"(flag)
+               : "memory");
+}
+
+// Row vector i of a line row.
+__device__ __forceinline__ void ll_store_vector(int4* line_row, uint64_t i, const int4& v,
+                                                uint32_t flag) {
+  ll_store(line_row + 2 * i, static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), flag);
+  ll_store(line_row + 2 * i + 1, static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w), flag);
+}
+
+// Polls line vectors until their flags are this round's. After the team's
+// timeout it records kDeviceErrorLineTimeout naming the sender (the first
+// error wins) and gives up: that poll and every later one of this object
+// return zeros at once, so that a dead or stopped sender costs one timeout,
+// not one per vector.
+struct LinePoll {
+  const DeviceTeam& team;
+  uint32_t flag;
+  bool failed = false;
+
+  __device__ LinePoll(const DeviceTeam& t, uint32_t f) : team(t), flag(f) {}
+
+  // The two data words of line vector `p`, written by member `peer`.
+  __device__ __forceinline__ uint2 load(const int4* p, int peer) {
+    uint32_t a = 0, b = 0, c = 0, d = 0;
+    uint64_t start = 0;
+    for (uint32_t spins = 0; !failed; ++spins) {
+      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                   : "l"(p)
+                   : "memory");
+      if (b == flag && d == flag) return make_uint2(a, c);
+      if ((spins & 255u) == 255u) give_up_after_timeout(start, peer, b != flag ? b : d);
+    }
+    return make_uint2(0, 0);
+  }
+
+  // Called every few hundred polls: the first call starts the clock.
+  __device__ __forceinline__ void give_up_after_timeout(uint64_t& start, int peer, uint32_t seen) {
+    const uint64_t now = device::globaltimer_ns();
+    if (start == 0) {
+      start = now;
+    } else if (now - start > team.timeout_ns) {
+      device::record_error(team, kDeviceErrorLineTimeout, peer, 0, flag, seen, now - start);
+      failed = true;
+    }
+  }
+
+  // The data word of an 8-byte line word {data, flag}.
+  __device__ __forceinline__ uint32_t load_word(const uint2* p, int peer) {
+    uint32_t a = 0, b = 0;
+    uint64_t start = 0;
+    for (uint32_t spins = 0; !failed; ++spins) {
+      asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];"
+                   : "=r"(a), "=r"(b)
+                   : "l"(p)
+                   : "memory");
+      if (b == flag) return a;
+      if ((spins & 255u) == 255u) give_up_after_timeout(start, peer, b);
+    }
+    return 0;
+  }
+
+  // Row vector i of a line row written by member `peer`.
+  __device__ __forceinline__ int4 load_vector(const int4* line_row, uint64_t i, int peer) {
+    const uint2 lo = load(line_row + 2 * i, peer);
+    const uint2 hi = load(line_row + 2 * i + 1, peer);
+    return make_int4(static_cast<int>(lo.x), static_cast<int>(lo.y), static_cast<int>(hi.x),
+                     static_cast<int>(hi.y));
+  }
+};
+
+// fan_copy from a line row of one sender: each row vector is polled once and
+// stored to every destination of `dst_lanes` (plain rows).
+__device__ __forceinline__ void ll_fan_copy(LinePoll& poll, const int4* line_row, int peer,
+                                            int4* dst, unsigned dst_lanes, uint64_t first,
+                                            uint64_t end, int lane) {
+  for (uint64_t base = first; base < end; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+      v[u] = i < end ? poll.load_vector(line_row, i, peer) : make_int4(0, 0, 0, 0);
+    }
+    for (unsigned m = dst_lanes; m != 0; m &= m - 1) {
+      const int from = __ffs(static_cast<int>(m)) - 1;
+      auto* d = reinterpret_cast<int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(dst), from));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+        if (i < end) device::store_stream(d + i, v[u]);
+      }
+    }
+  }
+}
+
+// fan_copy to two kinds of destination: plain rows (each lane of
+// `dst_lanes`: its `dst`) and line rows flagged `flag` (each lane of
+// `line_lanes`: its `line_dst`). Each source vector is loaded once.
+__device__ __forceinline__ void fan_copy_to_lines(const int4* src, int4* dst, unsigned dst_lanes,
+                                                  int4* line_dst, unsigned line_lanes,
+                                                  uint32_t flag, uint64_t first, uint64_t end,
+                                                  int lane) {
+  for (uint64_t base = first; base < end; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+      v[u] = i < end ? device::load_stream(src + i) : make_int4(0, 0, 0, 0);
+    }
+    for (unsigned m = line_lanes; m != 0; m &= m - 1) {  // the NVLink stores first
+      const int from = __ffs(static_cast<int>(m)) - 1;
+      auto* d = reinterpret_cast<int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(line_dst), from));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+        if (i < end) ll_store_vector(d, i, v[u], flag);
+      }
+    }
+    for (unsigned m = dst_lanes; m != 0; m &= m - 1) {
+      const int from = __ffs(static_cast<int>(m)) - 1;
+      auto* d = reinterpret_cast<int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(dst), from));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+        if (i < end) device::store_stream(d + i, v[u]);
+      }
+    }
+  }
+}
+
 // acc[0..7] += w * the 8 bf16 values of `packed`.
 __device__ __forceinline__ void add_weighted(float* acc, const int4& packed, float w) {
   const auto* h = reinterpret_cast<const __nv_bfloat162*>(&packed);
@@ -144,10 +287,13 @@ __device__ __forceinline__ int4 pack_bf16(const float* acc) {
 // + row_j            for the lanes j in `plain_lanes` (each lane's `plain`;
 //                     rows written during this kernel: weak loads)
 // rounded to bf16 once. Every lane must call it with the same lane masks.
+// kLinesIn: the plain rows are line rows, lane j's written by member j, polled
+// through `poll`. kLineOut: `dst` is a line row, flagged with poll's flag.
+template <bool kLinesIn = false, bool kLineOut = false>
 __device__ __forceinline__ void weighted_sum(int4* dst, const int4* row, float weight,
                                              unsigned weighted_lanes, const int4* plain,
                                              unsigned plain_lanes, uint64_t first, uint64_t end,
-                                             int lane) {
+                                             int lane, LinePoll* poll = nullptr) {
   for (uint64_t base = first; base < end; base += 32 * kUnroll) {
     float acc[kUnroll][8];
 #pragma unroll
@@ -189,7 +335,11 @@ __device__ __forceinline__ void weighted_sum(int4* dst, const int4* row, float w
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
-        v[u] = i < end ? r[i] : make_int4(0, 0, 0, 0);
+        if constexpr (kLinesIn) {
+          v[u] = i < end ? poll->load_vector(r, i, from) : make_int4(0, 0, 0, 0);
+        } else {
+          v[u] = i < end ? r[i] : make_int4(0, 0, 0, 0);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) add_weighted(acc[u], v[u], 1.f);
@@ -197,7 +347,13 @@ __device__ __forceinline__ void weighted_sum(int4* dst, const int4* row, float w
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
-      if (i < end) device::store_stream(dst + i, pack_bf16(acc[u]));
+      if (i < end) {
+        if constexpr (kLineOut) {
+          ll_store_vector(dst, i, pack_bf16(acc[u]), poll->flag);
+        } else {
+          device::store_stream(dst + i, pack_bf16(acc[u]));
+        }
+      }
     }
   }
 }
@@ -229,6 +385,29 @@ struct Layout {
   __device__ int32_t* counts(int m, int parity, int s) const {
     const uint64_t at = (static_cast<uint64_t>(parity) * a->team.size + s) * a->experts_per_rank;
     return reinterpret_cast<int32_t*>(base(m) + a->counts_offset) + at;
+  }
+  // Low-latency line of token t of source s on member m, for rounds of `parity`:
+  // 1 + K meta vectors, then the row (2 line vectors per row vector).
+  __device__ uint64_t line_vectors() const {
+    return 1 + static_cast<uint64_t>(a->top_k) + 2 * (static_cast<uint64_t>(a->hidden) / 8);
+  }
+  __device__ int4* line(int m, int parity, int s, int t) const {
+    const uint64_t at = (static_cast<uint64_t>(parity) * a->team.size + s) * a->ll_tokens + t;
+    return reinterpret_cast<int4*>(base(m) + a->ll_offset) + at * line_vectors();
+  }
+  __device__ int4* line_row(int m, int parity, int s, int t) const {
+    return line(m, parity, s, t) + 1 + a->top_k;
+  }
+  // {count, flag} per local expert of m, sent by source s
+  __device__ uint2* line_counts(int m, int parity, int s) const {
+    const uint64_t at = (static_cast<uint64_t>(parity) * a->team.size + s) * a->experts_per_rank;
+    return reinterpret_cast<uint2*>(base(m) + a->ll_counts_offset) + at;
+  }
+  // member d's low-latency partial row for token t, on member m (the source)
+  __device__ int4* line_partial(int m, int d, int t) const {
+    const uint64_t at = static_cast<uint64_t>(d) * a->ll_tokens + t;
+    return reinterpret_cast<int4*>(base(m) + a->ll_partial_offset) +
+           at * 2 * (static_cast<uint64_t>(a->hidden) / 8);
   }
   // member d's partial sum for token t, on member m (the token's source)
   __device__ int4* partial_row(int m, int d, int t) const {

@@ -18,6 +18,13 @@
 // Counts and signals come in two sets by round parity: a member can be one
 // dispatch ahead of another (it only waits for the members its tokens chose
 // in combine), never two.
+//
+// A low-latency call (at most ll_tokens tokens, moe_kernels.h) signals first,
+// with no fence (the value only says how many tokens come, and that they come
+// in lines); its rows, meta records and per-expert counts then travel in
+// flagged lines, slots are worked out by prefix counts instead of counters,
+// and no unit waits for another. The receiver polls the lines themselves and
+// copies each row to its experts as its vectors arrive.
 #include "symmetric/moe_device.cuh"
 
 namespace ferry::symmetric {
@@ -78,12 +85,8 @@ __device__ int prefix_slot(const int64_t* topk_idx, int t, int K, int64_t e, int
   return e >= 0 ? count : -1;
 }
 
-// Calls of at most this many tokens send each (token, expert) row straight
-// into the expert's recv_x row on its member instead of staging it there once:
-// a few more NVLink bytes, but the receiver has nothing to copy after the
-// signal (its fan-out is the latency a tiny call pays). The signal says so.
-constexpr int kDirectTokens = 8;
-constexpr uint64_t kDirectFlag = 1ull << 31;  // in the dispatch signal's token field
+// In the dispatch signal's token field: this call's rows come in lines.
+constexpr uint64_t kLinesFlag = 1ull << 31;
 
 // Step 2, by the warp that finished the last send unit: the lanes take the
 // experts' counts all at once (one round trip, not one per expert) and write
@@ -106,13 +109,88 @@ __device__ void send_counts(const MoeKernelArgs& a, const moe::Layout& at, int l
   }
   __syncwarp();
   device::fence();
-  const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens) |
-                         (a.num_tokens <= kDirectTokens ? kDirectFlag : 0ull);
+  const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens);
   for (int d = lane; d < W; d += 32) {
     if (d != me) {
       device::signal(team, d, a.dispatch_slot + static_cast<uint32_t>(parity * W + me), value);
     }
   }
+}
+
+// Low latency, by one warp: the signal (how many tokens; they come in lines)
+// to every other member, then the per-expert counts, each member's in its
+// line counts. The counts come from topk_idx itself (match_any over 32
+// choices at a time), so that no unit waits for another's slot.
+__device__ void send_line_counts(const MoeKernelArgs& a, const moe::Layout& at, int lane) {
+  const DeviceTeam& team = a.team;
+  const int W = team.size, E = a.experts_per_rank, K = a.top_k, me = team.rank;
+  const int parity = static_cast<int>(a.round & 1);
+  const uint32_t flag = static_cast<uint32_t>(a.round);
+  const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens) | kLinesFlag;
+  for (int d = lane; d < W; d += 32) {
+    if (d != me) {
+      device::signal(team, d, a.dispatch_slot + static_cast<uint32_t>(parity * W + me), value);
+    }
+  }
+  const int choices = a.num_tokens * K;
+  const int64_t experts = static_cast<int64_t>(W) * E;
+  for (int base = 0; base < choices; base += 32) {
+    const int i = base + lane;
+    long long e = i < choices ? static_cast<long long>(a.topk_idx[i]) : -1;
+    if (e < 0 || e >= experts) e = -1;  // the send units record a bad expert
+    const unsigned same = __match_any_sync(kFullMask, e);
+    if (e >= 0 && lane == __ffs(static_cast<int>(same)) - 1) {
+      atomicAdd(&a.slot_counter[e], static_cast<int>(__popc(same)));
+    }
+  }
+  __syncwarp();
+  __threadfence_block();
+  for (int e = lane; e < W * E; e += 32) {
+    int count = atomicExch(&a.slot_counter[e], 0);
+    if (count > a.max_tokens) count = a.max_tokens;  // the overflow is recorded by a send unit
+    const int d = e / E, le = e % E;
+    if (d == me) {
+      a.recv_count[le * W + me] = count;
+    } else {
+      uint2* word = at.line_counts(d, parity, me) + le;
+      asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(word), "r"(count), "r"(flag)
+                   : "memory");
+    }
+  }
+}
+
+// Low latency, receiving token t of source s (one warp per (token, chunk)):
+// the meta record from its line (lane 0 the header, lane 1 + j entry j), kept
+// here as a plain record for combine (chunk 0), and the row's vectors
+// [first, end) copied to each of this member's experts it chose as they arrive.
+__device__ void receive_line(const MoeKernelArgs& a, const moe::Layout& at, moe::LinePoll& poll,
+                             int s, int t, int c, int fan_chunks, uint64_t row_vectors, int lane) {
+  const int me = a.team.rank, K = a.top_k, E = a.experts_per_rank;
+  const int parity = static_cast<int>(a.round & 1);
+  const int4* line = at.line(me, parity, s, t);
+  uint2 head = make_uint2(0, 0);
+  if (lane == 0) head = poll.load(line, s);
+  const int n = min(static_cast<int>(__shfl_sync(kFullMask, head.x, 0)), K);
+  if (n == 0) return;  // token t chose none of this member's experts
+  // Entry j: {le | slot << 16, weight}; lane 31 also takes entry 31 of a top-32.
+  uint2 entry = make_uint2(0xffffffffu, 0);
+  if (lane < n) entry = poll.load(line + 1 + lane, s);
+  int4* dst = nullptr;
+  const int le = static_cast<int>(entry.x & 0xffffu), slot = static_cast<int>(entry.x >> 16);
+  if (lane < n && le < E && slot < a.max_tokens) dst = at.recv_row(me, le, s, slot);
+  if (c == 0) {
+    int4* rec = at.meta(me, s, t);
+    if (lane < n) {
+      rec[1 + lane] = make_int4(dst != nullptr ? le : -1, slot, static_cast<int>(entry.y), 0);
+      if (dst != nullptr) *at.recv_src(me, le, s, slot) = t;
+    }
+    if (lane == 0) rec[0] = make_int4(static_cast<int>(poll.flag), n, 0, 0);
+  }
+  const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
+  if (dst_lanes == 0) return;
+  uint64_t first = 0, end = 0;
+  moe::chunk_range(row_vectors, fan_chunks, c, &first, &end);
+  moe::ll_fan_copy(poll, at.line_row(me, parity, s, t), s, dst, dst_lanes, first, end, lane);
 }
 
 __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKernelArgs a) {
@@ -129,9 +207,11 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   // 1. send.
   const int chunks = moe::chunks_per_row(row_vectors, a.num_tokens, g.warps);
   const unsigned units = static_cast<unsigned>(a.num_tokens * chunks);
-  const bool by_prefix = chunks > 1 && a.num_tokens <= kPrefixSlotTokens;
-  const bool direct = a.num_tokens <= kDirectTokens;
-  bool last = units == 0 && g.warp == 0;
+  const bool lines = a.num_tokens <= a.ll_tokens;  // low latency
+  const int parity = static_cast<int>(a.round & 1);
+  const bool by_prefix = lines || (chunks > 1 && a.num_tokens <= kPrefixSlotTokens);
+  bool last = !lines && units == 0 && g.warp == 0;
+  if (lines && g.warp == g.warps - 1) send_line_counts(a, at, lane);
   for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
     const int t = static_cast<int>(w) / chunks, c = static_cast<int>(w) % chunks;
     // Lane k holds choice k: its expert, member, slot.
@@ -154,7 +234,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     int slot = -1;
     if (by_prefix) {
       slot = prefix_slot(a.topk_idx, t, K, e, lane);
-      if (e >= 0 && c == 0) atomicAdd(&a.slot_counter[e], 1);  // the count only
+      if (!lines && e >= 0 && c == 0) atomicAdd(&a.slot_counter[e], 1);  // the count only
     } else if (e >= 0) {
       slot = chunks == 1 ? atomicAdd(&a.slot_counter[e], 1)
                          : claim_slot(&a.slot_of[static_cast<uint64_t>(t) * K + lane], a.round,
@@ -176,27 +256,48 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     const unsigned lt = (1u << lane) - 1u;
     const int j = __popc(same & lt);  // this choice's entry among its member's
     const int n = __popc(same);
-    // Destinations: own experts' rows here; one stage row per other member.
+    // Destinations: own experts' rows here; one stage row (or line) per other member.
     int4* dst = nullptr;
-    if (valid && (d == me || direct)) dst = at.recv_row(d, le, me, slot);
-    if (valid && d != me && !direct && j == 0) dst = at.stage_row(d, me, t);
+    int4* line_dst = nullptr;
+    if (valid && d == me) dst = at.recv_row(me, le, me, slot);
+    if (valid && d != me && j == 0) {
+      if (lines) {
+        line_dst = at.line_row(d, parity, me, t);
+      } else {
+        dst = at.stage_row(d, me, t);
+      }
+    }
     const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
+    const unsigned line_lanes = __ballot_sync(kFullMask, line_dst != nullptr);
     uint64_t first = 0, end = 0;
     moe::chunk_range(row_vectors, chunks, c, &first, &end);
     const int4* row = x + static_cast<uint64_t>(t) * row_vectors;
-    if (dst_lanes != 0) moe::fan_copy<true>(row, dst, dst_lanes, first, end, lane);
+    if (line_lanes != 0) {
+      moe::fan_copy_to_lines(row, dst, dst_lanes, line_dst, line_lanes, round32, first, end, lane);
+    } else if (dst_lanes != 0) {
+      moe::fan_copy<true>(row, dst, dst_lanes, first, end, lane);
+    }
     if (c == 0) {
       unsigned remote = valid && d != me ? 1u << d : 0u;
       for (int o = 16; o > 0; o >>= 1) remote |= __shfl_xor_sync(kFullMask, remote, o);
       if (lane == 0) a.remote_members[t] = remote;
-      if (valid) {
+      if (valid && lines && d != me) {
+        int4* line = at.line(d, parity, me, t);
+        moe::ll_store(line + 1 + j, static_cast<uint32_t>(le) | (static_cast<uint32_t>(slot) << 16),
+                      __float_as_uint(weight), round32);
+        if (j == 0) moe::ll_store(line, static_cast<uint32_t>(n), 0u, round32);
+      } else if (valid) {
         int4* rec = at.meta(d, me, t);
         rec[1 + j] = make_int4(le, slot, __float_as_int(weight), 0);
         if (j == 0) rec[0] = make_int4(static_cast<int>(round32), n, 0, 0);
-        if (d == me || direct) *at.recv_src(d, le, me, slot) = t;
+        if (d == me) *at.recv_src(me, le, me, slot) = t;
+      }
+      // Lines: every other member learns of each token, chosen or not.
+      if (lines && lane < W && lane != me && ((remote >> lane) & 1u) == 0) {
+        moe::ll_store(at.line(lane, parity, me, t), 0u, 0u, round32);
       }
     }
-    if (moe::finish_unit(a.units_done, units, lane)) last = true;
+    if (!lines && moe::finish_unit(a.units_done, units, lane)) last = true;
   }
 
   // 2. the last unit's warp: counts and signals.
@@ -207,7 +308,6 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   // Only as many warps as the rows this member expects (as many tokens from
   // each other member as it has itself) take part, so that few warps poll the
   // signals in small calls; more rows than that are still all copied.
-  const int parity = static_cast<int>(a.round & 1);
   const int expected_rows = (a.num_tokens > 0 ? a.num_tokens : 1) * (W > 1 ? W - 1 : 1);
   const int fan_chunks = moe::chunks_per_row(row_vectors, expected_rows, g.warps);
   const int64_t fan_units = static_cast<int64_t>(expected_rows) * fan_chunks;
@@ -218,19 +318,32 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
                                       a.round << 32, lane);
     int tokens = static_cast<int>(v & 0x7fffffffull);
     if (tokens > a.max_tokens) tokens = a.max_tokens;
+    const bool from_lines = (v & kLinesFlag) != 0;
+    if (from_lines && tokens > a.ll_tokens) tokens = a.ll_tokens;
+    moe::LinePoll poll(team, round32);
     if (g.warp == s % fan_warps) {
       for (int l = lane; l < E; l += 32) {
-        int count = v != 0 ? at.counts(me, parity, s)[l] : 0;
+        int count = 0;
+        if (from_lines) {
+          count = static_cast<int>(poll.load_word(at.line_counts(me, parity, s) + l, s));
+        } else if (v != 0) {
+          count = at.counts(me, parity, s)[l];
+        }
         a.recv_count[l * W + s] = count < a.max_tokens ? count : a.max_tokens;
       }
       if (lane == 0) a.tokens_from[s] = tokens;
     }
-    // Rows sent straight to their experts need no copy here.
-    const unsigned s_units =
-        (v & kDirectFlag) != 0 ? 0u : static_cast<unsigned>(tokens * fan_chunks);
+    const unsigned s_units = static_cast<unsigned>(tokens * fan_chunks);
     const unsigned stride = static_cast<unsigned>(fan_warps);
     const unsigned offset = static_cast<unsigned>((static_cast<uint64_t>(i - 1) * stride) / W);
     const unsigned start = (static_cast<unsigned>(g.warp) + stride - offset) % stride;
+    if (from_lines) {
+      for (unsigned w = start; w < s_units; w += stride) {
+        receive_line(a, at, poll, s, static_cast<int>(w) / fan_chunks,
+                     static_cast<int>(w) % fan_chunks, fan_chunks, row_vectors, lane);
+      }
+      continue;
+    }
     for (unsigned w = start; w < s_units; w += stride) {
       const int t = static_cast<int>(w) / fan_chunks, c = static_cast<int>(w) % fan_chunks;
       const int4* rec = at.meta(me, s, t);

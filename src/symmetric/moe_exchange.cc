@@ -2,6 +2,7 @@
 // workspace and the per-call round numbers of the dispatch/combine kernels.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "cuda/cuda_util.h"
@@ -38,6 +39,11 @@ Status check_config(const MoeConfig& c, int members) {
     return err::InvalidArgument(
         fmt::format("moe: experts_per_rank is {}, must be >= 1", c.experts_per_rank));
   }
+  if (c.experts_per_rank > 0xffff) {
+    return err::InvalidArgument(fmt::format(
+        "moe: experts_per_rank is {}, must be <= 65535 (low-latency lines carry it in 16 bits)",
+        c.experts_per_rank));
+  }
   if (c.sm_count < 0) {
     return err::InvalidArgument(fmt::format("moe: sm_count is {}, must be >= 0", c.sm_count));
   }
@@ -61,7 +67,13 @@ Result<MoeLayout> moe_layout(const MoeConfig& c, int members) {
   l.meta_offset = align_up(l.stage_offset + W * T * H * 2, 256);
   l.counts_offset = align_up(l.meta_offset + W * T * (1 + K) * 16, 256);
   l.partial_offset = align_up(l.counts_offset + 2 * W * E * 4, 256);
-  l.data_bytes = l.partial_offset + W * T * H * 2;
+  const uint64_t L = std::min<uint64_t>(T, symmetric::kLowLatencyTokens);
+  const uint64_t ll_line = (1 + K + 2 * (H / 8)) * 16;  // meta, then the row
+  l.ll_tokens = static_cast<int>(L);
+  l.ll_offset = align_up(l.partial_offset + W * T * H * 2, 256);
+  l.ll_counts_offset = align_up(l.ll_offset + 2 * W * L * ll_line, 256);
+  l.ll_partial_offset = align_up(l.ll_counts_offset + 2 * W * E * 8, 256);
+  l.data_bytes = l.ll_partial_offset + W * L * 2 * (H / 8) * 16;
   l.signal_slots = static_cast<uint32_t>(3 * W);
   return l;
 }
@@ -104,6 +116,10 @@ struct MoeExchange::Impl {
     a.meta_offset = layout.meta_offset;
     a.counts_offset = layout.counts_offset;
     a.partial_offset = layout.partial_offset;
+    a.ll_offset = layout.ll_offset;
+    a.ll_counts_offset = layout.ll_counts_offset;
+    a.ll_partial_offset = layout.ll_partial_offset;
+    a.ll_tokens = layout.ll_tokens;
     a.dispatch_slot = 0;
     a.combine_slot = static_cast<uint32_t>(2 * memory->size());
     a.slot_counter = slot_counter;
@@ -113,6 +129,11 @@ struct MoeExchange::Impl {
     a.remote_members = remote_members;
     a.units_done = units_done;
     return a;
+  }
+
+  // A low-latency call (few tokens) starts and ends fewer blocks.
+  int blocks_for(int num_tokens) const {
+    return num_tokens <= layout.ll_tokens ? std::min(blocks, symmetric::kLowLatencyBlocks) : blocks;
   }
 
   Status check_tokens(int num_tokens) const {
@@ -195,9 +216,9 @@ Status MoeExchange::dispatch(const void* x, const int64_t* topk_idx, const float
   a.topk_weights = topk_weights;
   a.round = m.dispatch_round + 1;
   cuda::DeviceGuard guard(m.memory->device());
-  if (Status s =
-          cuda_status(symmetric::launch_dispatch(a, m.blocks, static_cast<cudaStream_t>(stream)),
-                      "moe: dispatch kernel launch");
+  if (Status s = cuda_status(symmetric::launch_dispatch(a, m.blocks_for(num_tokens),
+                                                        static_cast<cudaStream_t>(stream)),
+                             "moe: dispatch kernel launch");
       !s.ok()) {
     return s;
   }
@@ -220,9 +241,9 @@ Status MoeExchange::combine(const void* y, void* out, void* stream) {
   a.out = out;
   a.round = m.dispatch_round;
   cuda::DeviceGuard guard(m.memory->device());
-  if (Status s =
-          cuda_status(symmetric::launch_combine(a, m.blocks, static_cast<cudaStream_t>(stream)),
-                      "moe: combine kernel launch");
+  if (Status s = cuda_status(symmetric::launch_combine(a, m.blocks_for(m.dispatched_tokens),
+                                                       static_cast<cudaStream_t>(stream)),
+                             "moe: combine kernel launch");
       !s.ok()) {
     return s;
   }

@@ -11,8 +11,20 @@
 //   counts   int32 [2][W][E]      rows per (source, local expert), two sets by
 //                                 dispatch round parity
 //   partial  bf16  [W][T][H]      combine: member d's weighted sum for token t
-// Signal slots: [2][W] dispatch (parity, source; value round << 32 | tokens),
-// then [W] combine (from member d; value round).
+//   ll       int4  [2][W][L][1 + K + 2H/8]  low-latency lines (below) of token t
+//                                 of source s, two sets by dispatch round parity
+//   ll_counts uint2 [2][W][E]     low-latency rows per (source, local expert): {count, flag}
+//   ll_partial int4 [W][L][2H/8]  combine's low-latency partial rows from member d
+// Signal slots: [2][W] dispatch (parity, source; value round << 32 | tokens,
+// bit 31 of tokens: low-latency), then [W] combine (from member d; value round).
+//
+// Low latency (a member's call of at most L = min(T, kLowLatencyTokens)
+// tokens): every 16-byte store carries its own completion flag (the round), as
+// NCCL's LL protocol does -- {4 bytes of data, flag, 4 bytes, flag}, stored
+// and loaded 16 bytes at once, each 8-byte half atomic -- so the receiver polls
+// the data itself and no fence or separate signal stands between the stores
+// and their reader. Half of each store is flag: for tiny calls latency, not
+// bytes, is the cost.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -35,6 +47,10 @@ struct MoeKernelArgs {
   uint64_t meta_offset;
   uint64_t counts_offset;
   uint64_t partial_offset;
+  uint64_t ll_offset;
+  uint64_t ll_counts_offset;
+  uint64_t ll_partial_offset;
+  int ll_tokens;           // L: calls of at most this many tokens use low-latency lines
   uint32_t dispatch_slot;  // first of 2 x size dispatch slots
   uint32_t combine_slot;   // first of size combine slots
   uint64_t round;          // 1, 2, ...: the dispatch's number; its combine has the same
@@ -57,6 +73,10 @@ struct MoeKernelArgs {
 cudaError_t launch_dispatch(const MoeKernelArgs& args, int blocks, cudaStream_t stream);
 cudaError_t launch_combine(const MoeKernelArgs& args, int blocks, cudaStream_t stream);
 constexpr int kMoeThreadsPerBlock = 512;
+constexpr int kLowLatencyTokens = 8;
+// Low-latency calls launch at most this many blocks: enough warps to split a
+// few rows finely, fewer to start and to finish.
+constexpr int kLowLatencyBlocks = 16;
 // Load the kernels now (see preload_kernels in symmetric_kernels.h).
 cudaError_t preload_dispatch_kernel();
 cudaError_t preload_combine_kernel();

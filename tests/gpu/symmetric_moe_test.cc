@@ -4,9 +4,11 @@
 // exactly once), combine within bf16 tolerance (plus one bf16 rounding of each
 // other member's partial sum, which is what crosses NVLink). Shapes: 0, 1, 17,
 // 128 and 512 tokens, every token to one expert, every token to the next
-// member's experts, most tokens to member 0 only, missing choices (-1), and a
-// second configuration (hidden 64, top-3, 3 experts per member). Two members,
-// or FERRY_TEST_MEMBERS.
+// member's experts, most tokens to member 0 only, missing choices (-1), each
+// expert chosen twice by a token; low-latency calls (<= 8 tokens) and members
+// whose calls differ (low-latency lines from some, staged rows from others);
+// and a second configuration (hidden 64, top-3, 3 experts per member). Two
+// members, or FERRY_TEST_MEMBERS.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -43,7 +45,14 @@ uint16_t float_to_bf16(float f) {  // round to nearest even, as __float2bfloat16
   return static_cast<uint16_t>(u >> 16);
 }
 
-enum class Routing { kRandom, kOneExpert, kOtherMember, kSomeMissing, kMostToMemberZero };
+enum class Routing {
+  kRandom,
+  kOneExpert,
+  kOtherMember,
+  kSomeMissing,
+  kMostToMemberZero,
+  kRepeated,  // each token chooses each of its experts twice (choices k and k ^ 1)
+};
 
 // What one member feeds in; every member can rebuild every member's inputs.
 struct Inputs {
@@ -80,6 +89,8 @@ Inputs make_inputs(uint64_t seed, int rank, int tokens, const ferry::MoeConfig& 
       if (t % 5 != 0) {  // member 0's experts only; every fifth token stays random
         for (int k = 0; k < K; ++k) row[k] = k < cfg.experts_per_rank ? k : -1;
       }
+    } else if (routing == Routing::kRepeated) {
+      for (int k = 1; k < K; k += 2) row[k] = row[k - 1];
     } else if (routing == Routing::kSomeMissing) {
       for (int k = 0; k < K; ++k) {
         if ((t + k) % 3 == 0) row[k] = -1;
@@ -98,6 +109,9 @@ float expert_scale(int64_t e) {
 struct Case {
   int tokens;
   Routing routing;
+  int other_tokens = -1;  // >= 0: the tokens of every member but member 0
+
+  int tokens_of(int rank) const { return rank == 0 || other_tokens < 0 ? tokens : other_tokens; }
 };
 
 std::string run_config(Member& m, const ferry::MoeConfig& cfg, const std::vector<Case>& cases,
@@ -121,12 +135,13 @@ std::string run_config(Member& m, const ferry::MoeConfig& cfg, const std::vector
   symtest::DeviceBuffer y(rows * H * 2);
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const Case& cs = cases[ci];
-    const std::string name = "case " + std::to_string(ci) + " (" + std::to_string(cs.tokens) +
-                             " tokens, routing " + std::to_string(static_cast<int>(cs.routing)) +
-                             ")";
+    const std::string name = "case " + std::to_string(ci) + " (" +
+                             std::to_string(cs.tokens_of(me)) + " tokens here, " +
+                             std::to_string(cs.tokens_of(0)) + " on member 0, routing " +
+                             std::to_string(static_cast<int>(cs.routing)) + ")";
     std::vector<Inputs> all;
     for (int r = 0; r < W; ++r) {
-      all.push_back(make_inputs(seed + ci, r, cs.tokens, cfg, W, cs.routing));
+      all.push_back(make_inputs(seed + ci, r, cs.tokens_of(r), cfg, W, cs.routing));
     }
     const Inputs& mine = all[static_cast<size_t>(me)];
     auto as_bytes = [](const auto& v) {
@@ -135,9 +150,9 @@ std::string run_config(Member& m, const ferry::MoeConfig& cfg, const std::vector
       return b;
     };
     symtest::DeviceBuffer x(as_bytes(mine.x)), topk(as_bytes(mine.topk)),
-        weights(as_bytes(mine.weights)), out(static_cast<size_t>(cs.tokens) * H * 2);
+        weights(as_bytes(mine.weights)), out(static_cast<size_t>(cs.tokens_of(me)) * H * 2);
     c.status(moe->dispatch(x.get(), reinterpret_cast<const int64_t*>(topk.get()),
-                           reinterpret_cast<const float*>(weights.get()), cs.tokens, s),
+                           reinterpret_cast<const float*>(weights.get()), cs.tokens_of(me), s),
              name + ": dispatch");
     c.cuda(cudaStreamSynchronize(s), name + ": dispatch ran");
     c.status(mem->device_error(), name + ": device_error after dispatch");
@@ -153,7 +168,7 @@ std::string run_config(Member& m, const ferry::MoeConfig& cfg, const std::vector
         const int e = me * E + le;
         std::map<int, int> want;
         const Inputs& in = all[static_cast<size_t>(src)];
-        for (int t = 0; t < cs.tokens; ++t) {
+        for (int t = 0; t < cs.tokens_of(src); ++t) {
           for (int k = 0; k < K; ++k) want[t] += in.topk[static_cast<size_t>(t) * K + k] == e;
         }
         int expected = 0;
@@ -168,7 +183,7 @@ std::string run_config(Member& m, const ferry::MoeConfig& cfg, const std::vector
           const uint64_t row = (static_cast<uint64_t>(le) * W + src) * T + slot;
           int32_t t = -1;
           std::memcpy(&t, src_idx.data() + 4 * row, 4);
-          if (t < 0 || t >= cs.tokens || want[t] <= 0) {
+          if (t < 0 || t >= cs.tokens_of(src) || want[t] <= 0) {
             c.fail(where + ": slot " + std::to_string(slot) + " names token " + std::to_string(t) +
                    ", which did not choose it (or more often than it did)");
             continue;
@@ -194,10 +209,10 @@ std::string run_config(Member& m, const ferry::MoeConfig& cfg, const std::vector
     c.status(moe->combine(y.get(), out.get(), s), name + ": combine");
     c.cuda(cudaStreamSynchronize(s), name + ": combine ran");
     c.status(mem->device_error(), name + ": device_error after combine");
-    const auto got = symtest::to_host(out.get(), static_cast<uint64_t>(cs.tokens) * H * 2);
+    const auto got = symtest::to_host(out.get(), static_cast<uint64_t>(cs.tokens_of(me)) * H * 2);
     size_t bad = 0;
     std::string first;
-    for (int t = 0; t < cs.tokens; ++t) {
+    for (int t = 0; t < cs.tokens_of(me); ++t) {
       for (int h = 0; h < H; ++h) {
         // The fp32 reference, and per other member the partial sum that
         // member returns rounded to bf16 (at most 2^-8 of its magnitude off).
@@ -254,7 +269,19 @@ TEST(SymmetricMoe, DispatchAndCombineMatchTheReference) {
                                 {0, Routing::kRandom},
                                 {400, Routing::kMostToMemberZero},
                                 {64, Routing::kRandom},
-                                {1, Routing::kOtherMember}},
+                                {1, Routing::kOtherMember},
+                                // Low-latency calls (<= 8 tokens): at the bound and past
+                                // it, repeated choices, and members whose calls differ:
+                                // lines from some members, staged rows from others.
+                                {8, Routing::kRandom},
+                                {9, Routing::kRandom},
+                                {8, Routing::kRepeated},
+                                {1, Routing::kRandom, 300},
+                                {300, Routing::kRandom, 2},
+                                {0, Routing::kRandom, 8},
+                                {5, Routing::kOneExpert, 0},
+                                {3, Routing::kMostToMemberZero},
+                                {2, Routing::kSomeMissing}},
                                seed);
     if (!r.empty()) return "hidden 7168, top-8, 8 experts per member: " + r;
     ferry::MoeConfig small;
@@ -269,7 +296,10 @@ TEST(SymmetricMoe, DispatchAndCombineMatchTheReference) {
                     {0, Routing::kRandom},
                     {17, Routing::kOneExpert},
                     {16, Routing::kMostToMemberZero},
-                    {1, Routing::kRandom}},
+                    {1, Routing::kRandom},
+                    {4, Routing::kRepeated, 6},
+                    {6, Routing::kRepeated, 3},
+                    {8, Routing::kRandom}},
                    seed + 100);
     if (!r.empty()) return "hidden 64, top-3, 3 experts per member, 3 SMs: " + r;
     return "";
@@ -290,6 +320,11 @@ TEST(SymmetricMoe, BadConfigurationsAndCallsAreRefused) {
   l = ferry::moe_layout(cfg, 2);
   EXPECT_NE(l.status().message().find("top_k is 33"), std::string::npos) << l.status().message();
   cfg.top_k = 2;
+  cfg.experts_per_rank = 70000;
+  l = ferry::moe_layout(cfg, 2);
+  EXPECT_NE(l.status().message().find("experts_per_rank is 70000"), std::string::npos)
+      << l.status().message();
+  cfg.experts_per_rank = 2;
   l = ferry::moe_layout(cfg, 33);
   EXPECT_NE(l.status().message().find("33 members"), std::string::npos) << l.status().message();
   RUN_MEMBERS([&](Member& m) -> std::string {
@@ -326,6 +361,55 @@ TEST(SymmetricMoe, BadConfigurationsAndCallsAreRefused) {
     c.status(moe->combine(out.get(), out.get(), nullptr), "combine of 0 tokens");
     c.cuda(cudaDeviceSynchronize(), "the 0-token round ran");
     c.status(good->device_error(), "device_error after the 0-token round");
+    m.barrier();
+    return c.report();
+  });
+}
+
+// A low-latency combine polls its peers' lines with no signal to wait for: a
+// member that never sends them costs one timeout, which names it, and the
+// GPU is not left spinning.
+TEST(SymmetricMoe, ALowLatencyCombineWithoutItsPeerTimesOutNamingIt) {
+  RUN_MEMBERS([&](Member& m) -> std::string {
+    Check c;
+    ferry::MoeConfig cfg;
+    cfg.max_tokens = 8;
+    cfg.hidden = 64;
+    cfg.top_k = 2;
+    cfg.experts_per_rank = 2;
+    auto layout = ferry::moe_layout(cfg, m.size());
+    if (!layout.ok()) return "moe_layout: " + layout.status().message();
+    ferry::SymmetricOptions o;
+    o.data_bytes = layout->data_bytes;
+    o.signal_slots = layout->signal_slots;
+    o.wait_timeout_ns = 300'000'000;  // 0.3 s
+    auto mem = symtest::make_group(m, o, c);
+    if (!c.ok()) return c.report();
+    auto made = ferry::MoeExchange::create(*mem, cfg);
+    if (!made.ok()) return "MoeExchange::create: " + made.status().message();
+    auto& moe = *made;
+    // Member 0's one token goes to member 1's experts only.
+    const Inputs in = make_inputs(7, m.rank(), 1, cfg, m.size(),
+                                  m.rank() == 0 ? Routing::kOtherMember : Routing::kRandom);
+    auto as_bytes = [](const auto& v) {
+      std::vector<uint8_t> b(v.size() * sizeof(v[0]));
+      std::memcpy(b.data(), v.data(), b.size());
+      return b;
+    };
+    symtest::DeviceBuffer x(as_bytes(in.x)), topk(as_bytes(in.topk)), w(as_bytes(in.weights)),
+        y(static_cast<size_t>(cfg.experts_per_rank) * m.size() * cfg.max_tokens * cfg.hidden * 2),
+        out(static_cast<size_t>(cfg.hidden) * 2);
+    c.status(moe->dispatch(x.get(), reinterpret_cast<const int64_t*>(topk.get()),
+                           reinterpret_cast<const float*>(w.get()), 1, nullptr),
+             "dispatch");
+    c.cuda(cudaDeviceSynchronize(), "dispatch ran");
+    c.status(mem->device_error(), "device_error after dispatch");
+    m.barrier();
+    if (m.rank() == 0) {  // the others never combine
+      c.status(moe->combine(y.get(), out.get(), nullptr), "combine");
+      c.cuda(cudaDeviceSynchronize(), "combine returned after its timeout");
+      c.error_has(mem->device_error(), ferry::StatusCode::kTimeout, "member 1's low-latency data");
+    }
     m.barrier();
     return c.report();
   });
