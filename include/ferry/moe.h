@@ -60,7 +60,6 @@ struct MoeLayout {
   uint64_t partial_offset = 0;   // bf16 [size][max_tokens][hidden]: combine's returned sums
   // Low-latency areas of calls with few tokens (flags in every 16-byte store):
   uint64_t ll_offset = 0;          // [2][size][L][meta + row] dispatch lines
-  uint64_t ll_counts_offset = 0;   // [2][size][experts_per_rank] counts ({count, flag})
   uint64_t ll_partial_offset = 0;  // [size][L][row] combine's returned sums
   int ll_tokens = 0;               // L: calls of at most this many tokens take that path
   uint64_t data_bytes = 0;

@@ -167,7 +167,6 @@ nb::dict layout_dict(const ferry::MoeLayout& l) {
   d["counts_offset"] = l.counts_offset;
   d["partial_offset"] = l.partial_offset;
   d["ll_offset"] = l.ll_offset;
-  d["ll_counts_offset"] = l.ll_counts_offset;
   d["ll_partial_offset"] = l.ll_partial_offset;
   d["ll_tokens"] = l.ll_tokens;
   d["data_bytes"] = l.data_bytes;

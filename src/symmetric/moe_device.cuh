@@ -92,6 +92,35 @@ __device__ __forceinline__ uint64_t warp_wait(const DeviceTeam& team, uint32_t s
   return v;
 }
 
+// warp_wait without the acquire: lane 0 polls (relaxed, system scope) until
+// this member's `slot` is >= at_least; every lane gets the value (0 after a
+// timeout, which the team's error record holds). For signals that order no
+// data, or before a read_signal of the lanes' own.
+__device__ __forceinline__ uint64_t warp_poll(const DeviceTeam& team, uint32_t slot,
+                                              uint64_t at_least, int lane) {
+  unsigned long long v = 0;
+  if (lane == 0) {
+    const uint64_t* p = team.signals[team.rank] + slot;
+    uint64_t start = 0;
+    for (uint32_t spins = 0;; ++spins) {
+      asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+      if (v >= at_least) break;
+      if ((spins & 255u) == 255u) {
+        const uint64_t now = device::globaltimer_ns();
+        if (start == 0) {
+          start = now;
+        } else if (now - start > team.timeout_ns) {
+          device::record_error(team, kDeviceErrorWaitTimeout, team.rank, slot, at_least, v,
+                               now - start);
+          v = 0;
+          break;
+        }
+      }
+    }
+  }
+  return __shfl_sync(kFullMask, v, 0);
+}
+
 // One warp copies vectors [first, end) of the row at `src` to every lane's
 // `dst` among `dst_lanes` (a row start each): each vector is loaded once and
 // stored to every destination. Every lane must call it with the same
@@ -174,21 +203,6 @@ struct LinePoll {
       device::record_error(team, kDeviceErrorLineTimeout, peer, 0, flag, seen, now - start);
       failed = true;
     }
-  }
-
-  // The data word of an 8-byte line word {data, flag}.
-  __device__ __forceinline__ uint32_t load_word(const uint2* p, int peer) {
-    uint32_t a = 0, b = 0;
-    uint64_t start = 0;
-    for (uint32_t spins = 0; !failed; ++spins) {
-      asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];"
-                   : "=r"(a), "=r"(b)
-                   : "l"(p)
-                   : "memory");
-      if (b == flag) return a;
-      if ((spins & 255u) == 255u) give_up_after_timeout(start, peer, b);
-    }
-    return 0;
   }
 
   // Row vector i of a line row written by member `peer`.
@@ -397,11 +411,6 @@ struct Layout {
   }
   __device__ int4* line_row(int m, int parity, int s, int t) const {
     return line(m, parity, s, t) + 1 + a->top_k;
-  }
-  // {count, flag} per local expert of m, sent by source s
-  __device__ uint2* line_counts(int m, int parity, int s) const {
-    const uint64_t at = (static_cast<uint64_t>(parity) * a->team.size + s) * a->experts_per_rank;
-    return reinterpret_cast<uint2*>(base(m) + a->ll_counts_offset) + at;
   }
   // member d's low-latency partial row for token t, on member m (the source)
   __device__ int4* line_partial(int m, int d, int t) const {

@@ -21,10 +21,11 @@
 //
 // A low-latency call (at most ll_tokens tokens, moe_kernels.h) signals first,
 // with no fence (the value only says how many tokens come, and that they come
-// in lines); its rows, meta records and per-expert counts then travel in
-// flagged lines, slots are worked out by prefix counts instead of counters,
-// and no unit waits for another. The receiver polls the lines themselves and
-// copies each row to its experts as its vectors arrive.
+// in lines); its rows and meta records then travel in flagged lines, slots are
+// worked out by prefix counts instead of counters, and no unit waits for
+// another. The receiver polls the lines themselves, counts each expert's rows
+// from their meta records and copies each row to its experts as its vectors
+// arrive.
 #include "symmetric/moe_device.cuh"
 
 namespace ferry::symmetric {
@@ -117,15 +118,24 @@ __device__ void send_counts(const MoeKernelArgs& a, const moe::Layout& at, int l
   }
 }
 
+// Lane l's count, for the local experts l0 + l of a window of 32, of the
+// lanes' `le` equal to it (-1: none), added over calls. Every lane calls it.
+__device__ __forceinline__ void count_window(int le, int l0, int E, int lane, int* count) {
+  for (int l = 0; l < 32 && l0 + l < E; ++l) {
+    const int n = __popc(__ballot_sync(kFullMask, le == l0 + l));
+    if (lane == l) *count += n;
+  }
+}
+
 // Low latency, by one warp: the signal (how many tokens; they come in lines)
-// to every other member, then the per-expert counts, each member's in its
-// line counts. The counts come from topk_idx itself (match_any over 32
-// choices at a time), so that no unit waits for another's slot.
-__device__ void send_line_counts(const MoeKernelArgs& a, const moe::Layout& at, int lane) {
+// to every other member, first thing and with no fence (the lines carry their
+// own flags); then this member's own experts' counts from topk_idx, by
+// ballots (no atomics, no wait for any unit). Each receiver counts its rows
+// from the lines it receives.
+__device__ void send_line_signals(const MoeKernelArgs& a, int lane) {
   const DeviceTeam& team = a.team;
   const int W = team.size, E = a.experts_per_rank, K = a.top_k, me = team.rank;
   const int parity = static_cast<int>(a.round & 1);
-  const uint32_t flag = static_cast<uint32_t>(a.round);
   const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens) | kLinesFlag;
   for (int d = lane; d < W; d += 32) {
     if (d != me) {
@@ -133,29 +143,45 @@ __device__ void send_line_counts(const MoeKernelArgs& a, const moe::Layout& at, 
     }
   }
   const int choices = a.num_tokens * K;
-  const int64_t experts = static_cast<int64_t>(W) * E;
-  for (int base = 0; base < choices; base += 32) {
-    const int i = base + lane;
-    long long e = i < choices ? static_cast<long long>(a.topk_idx[i]) : -1;
-    if (e < 0 || e >= experts) e = -1;  // the send units record a bad expert
-    const unsigned same = __match_any_sync(kFullMask, e);
-    if (e >= 0 && lane == __ffs(static_cast<int>(same)) - 1) {
-      atomicAdd(&a.slot_counter[e], static_cast<int>(__popc(same)));
+  const int64_t first = static_cast<int64_t>(me) * E;
+  for (int l0 = 0; l0 < E; l0 += 32) {
+    int count = 0;
+    for (int base = 0; base < choices; base += 32) {
+      const int i = base + lane;
+      const int64_t e = i < choices ? a.topk_idx[i] : -1;
+      count_window(e >= first && e < first + E ? static_cast<int>(e - first) : -1, l0, E, lane,
+                   &count);
     }
+    // More than max_tokens: the overflow is recorded by a send unit.
+    if (l0 + lane < E) a.recv_count[(l0 + lane) * W + me] = min(count, a.max_tokens);
   }
-  __syncwarp();
-  __threadfence_block();
-  for (int e = lane; e < W * E; e += 32) {
-    int count = atomicExch(&a.slot_counter[e], 0);
-    if (count > a.max_tokens) count = a.max_tokens;  // the overflow is recorded by a send unit
-    const int d = e / E, le = e % E;
-    if (d == me) {
-      a.recv_count[le * W + me] = count;
-    } else {
-      uint2* word = at.line_counts(d, parity, me) + le;
-      asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(word), "r"(count), "r"(flag)
-                   : "memory");
+}
+
+// Low latency, by one warp per source: how many rows of each local expert
+// source s sent, counted from its lines -- lane t takes token t's header, then
+// the lanes take the entries of every token at once.
+__device__ void receive_line_counts(const MoeKernelArgs& a, const moe::Layout& at,
+                                    moe::LinePoll& poll, int s, int tokens, int lane) {
+  const int W = a.team.size, E = a.experts_per_rank, K = a.top_k, me = a.team.rank;
+  const int parity = static_cast<int>(a.round & 1);
+  int n = 0;  // lane t < tokens (<= kLowLatencyTokens < 32): token t's entries here
+  if (lane < tokens) n = min(static_cast<int>(poll.load(at.line(me, parity, s, lane), s).x), K);
+  const int entries = tokens * K;
+  for (int l0 = 0; l0 < E; l0 += 32) {
+    int count = 0;
+    for (int base = 0; base < entries; base += 32) {
+      const int i = base + lane;
+      const int t = i < entries ? i / K : 0, j = i % K;
+      const int n_t = __shfl_sync(kFullMask, n, t);
+      int le = -1;
+      if (i < entries && j < n_t) {
+        const uint2 entry = poll.load(at.line(me, parity, s, t) + 1 + j, s);
+        if (static_cast<int>(entry.x >> 16) < a.max_tokens)
+          le = static_cast<int>(entry.x & 0xffffu);
+      }
+      count_window(le, l0, E, lane, &count);
     }
+    if (l0 + lane < E) a.recv_count[(l0 + lane) * W + s] = min(count, a.max_tokens);
   }
 }
 
@@ -211,7 +237,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   const int parity = static_cast<int>(a.round & 1);
   const bool by_prefix = lines || (chunks > 1 && a.num_tokens <= kPrefixSlotTokens);
   bool last = !lines && units == 0 && g.warp == 0;
-  if (lines && g.warp == g.warps - 1) send_line_counts(a, at, lane);
+  if (lines && g.warp == g.warps - 1) send_line_signals(a, lane);
   for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
     const int t = static_cast<int>(w) / chunks, c = static_cast<int>(w) % chunks;
     // Lane k holds choice k: its expert, member, slot.
@@ -314,22 +340,24 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   const int fan_warps = fan_units < g.warps ? static_cast<int>(fan_units) : g.warps;
   for (int i = 1; i < W && g.warp < fan_warps; ++i) {
     const int s = (me + i) % W;
-    const uint64_t v = moe::warp_wait(team, a.dispatch_slot + static_cast<uint32_t>(parity * W + s),
-                                      a.round << 32, lane);
+    // A relaxed poll: lines need no acquire; staged rows get theirs below.
+    const uint32_t slot = a.dispatch_slot + static_cast<uint32_t>(parity * W + s);
+    const uint64_t v = moe::warp_poll(team, slot, a.round << 32, lane);
     int tokens = static_cast<int>(v & 0x7fffffffull);
     if (tokens > a.max_tokens) tokens = a.max_tokens;
     const bool from_lines = (v & kLinesFlag) != 0;
     if (from_lines && tokens > a.ll_tokens) tokens = a.ll_tokens;
+    // Every lane's own acquire, so that its loads see the staged rows and counts.
+    if (v != 0 && !from_lines) (void)device::read_signal(team, slot);
     moe::LinePoll poll(team, round32);
     if (g.warp == s % fan_warps) {
-      for (int l = lane; l < E; l += 32) {
-        int count = 0;
-        if (from_lines) {
-          count = static_cast<int>(poll.load_word(at.line_counts(me, parity, s) + l, s));
-        } else if (v != 0) {
-          count = at.counts(me, parity, s)[l];
+      if (from_lines) {
+        receive_line_counts(a, at, poll, s, tokens, lane);
+      } else {
+        for (int l = lane; l < E; l += 32) {
+          const int count = v != 0 ? at.counts(me, parity, s)[l] : 0;
+          a.recv_count[l * W + s] = count < a.max_tokens ? count : a.max_tokens;
         }
-        a.recv_count[l * W + s] = count < a.max_tokens ? count : a.max_tokens;
       }
       if (lane == 0) a.tokens_from[s] = tokens;
     }

@@ -71,8 +71,7 @@ Result<MoeLayout> moe_layout(const MoeConfig& c, int members) {
   const uint64_t ll_line = (1 + K + 2 * (H / 8)) * 16;  // meta, then the row
   l.ll_tokens = static_cast<int>(L);
   l.ll_offset = align_up(l.partial_offset + W * T * H * 2, 256);
-  l.ll_counts_offset = align_up(l.ll_offset + 2 * W * L * ll_line, 256);
-  l.ll_partial_offset = align_up(l.ll_counts_offset + 2 * W * E * 8, 256);
+  l.ll_partial_offset = align_up(l.ll_offset + 2 * W * L * ll_line, 256);
   l.data_bytes = l.ll_partial_offset + W * L * 2 * (H / 8) * 16;
   l.signal_slots = static_cast<uint32_t>(3 * W);
   return l;
@@ -117,7 +116,6 @@ struct MoeExchange::Impl {
     a.counts_offset = layout.counts_offset;
     a.partial_offset = layout.partial_offset;
     a.ll_offset = layout.ll_offset;
-    a.ll_counts_offset = layout.ll_counts_offset;
     a.ll_partial_offset = layout.ll_partial_offset;
     a.ll_tokens = layout.ll_tokens;
     a.dispatch_slot = 0;

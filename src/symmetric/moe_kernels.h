@@ -13,7 +13,6 @@
 //   partial  bf16  [W][T][H]      combine: member d's weighted sum for token t
 //   ll       int4  [2][W][L][1 + K + 2H/8]  low-latency lines (below) of token t
 //                                 of source s, two sets by dispatch round parity
-//   ll_counts uint2 [2][W][E]     low-latency rows per (source, local expert): {count, flag}
 //   ll_partial int4 [W][L][2H/8]  combine's low-latency partial rows from member d
 // Signal slots: [2][W] dispatch (parity, source; value round << 32 | tokens,
 // bit 31 of tokens: low-latency), then [W] combine (from member d; value round).
@@ -48,7 +47,6 @@ struct MoeKernelArgs {
   uint64_t counts_offset;
   uint64_t partial_offset;
   uint64_t ll_offset;
-  uint64_t ll_counts_offset;
   uint64_t ll_partial_offset;
   int ll_tokens;           // L: calls of at most this many tokens use low-latency lines
   uint32_t dispatch_slot;  // first of 2 x size dispatch slots
