@@ -28,7 +28,7 @@
 // Calls of at most 8 tokens (a decode step's) take a low-latency path: rows and
 // their routing travel in 16-byte stores that each carry a completion flag, so
 // that no fence or separate signal stands between the data and its receiver.
-// Such a call launches at most 16 blocks, which is also what it has to receive
+// Such a call launches at most 8 blocks, which is also what it has to receive
 // other members' rows: members whose calls differ widely in size stay correct
 // but the small ones receive slowly.
 #pragma once

@@ -282,6 +282,27 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     const unsigned lt = (1u << lane) - 1u;
     const int j = __popc(same & lt);  // this choice's entry among its member's
     const int n = __popc(same);
+    // The meta records first: a receiver of lines reads them before the row.
+    if (c == 0) {
+      unsigned remote = valid && d != me ? 1u << d : 0u;
+      for (int o = 16; o > 0; o >>= 1) remote |= __shfl_xor_sync(kFullMask, remote, o);
+      if (lane == 0) a.remote_members[t] = remote;
+      if (valid && lines && d != me) {
+        int4* line = at.line(d, parity, me, t);
+        moe::ll_store(line + 1 + j, static_cast<uint32_t>(le) | (static_cast<uint32_t>(slot) << 16),
+                      __float_as_uint(weight), round32);
+        if (j == 0) moe::ll_store(line, static_cast<uint32_t>(n), 0u, round32);
+      } else if (valid) {
+        int4* rec = at.meta(d, me, t);
+        rec[1 + j] = make_int4(le, slot, __float_as_int(weight), 0);
+        if (j == 0) rec[0] = make_int4(static_cast<int>(round32), n, 0, 0);
+        if (d == me) *at.recv_src(me, le, me, slot) = t;
+      }
+      // Lines: every other member learns of each token, chosen or not.
+      if (lines && lane < W && lane != me && ((remote >> lane) & 1u) == 0) {
+        moe::ll_store(at.line(lane, parity, me, t), 0u, 0u, round32);
+      }
+    }
     // Destinations: own experts' rows here; one stage row (or line) per other member.
     int4* dst = nullptr;
     int4* line_dst = nullptr;
@@ -303,26 +324,6 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     } else if (dst_lanes != 0) {
       moe::fan_copy<true>(row, dst, dst_lanes, first, end, lane);
     }
-    if (c == 0) {
-      unsigned remote = valid && d != me ? 1u << d : 0u;
-      for (int o = 16; o > 0; o >>= 1) remote |= __shfl_xor_sync(kFullMask, remote, o);
-      if (lane == 0) a.remote_members[t] = remote;
-      if (valid && lines && d != me) {
-        int4* line = at.line(d, parity, me, t);
-        moe::ll_store(line + 1 + j, static_cast<uint32_t>(le) | (static_cast<uint32_t>(slot) << 16),
-                      __float_as_uint(weight), round32);
-        if (j == 0) moe::ll_store(line, static_cast<uint32_t>(n), 0u, round32);
-      } else if (valid) {
-        int4* rec = at.meta(d, me, t);
-        rec[1 + j] = make_int4(le, slot, __float_as_int(weight), 0);
-        if (j == 0) rec[0] = make_int4(static_cast<int>(round32), n, 0, 0);
-        if (d == me) *at.recv_src(me, le, me, slot) = t;
-      }
-      // Lines: every other member learns of each token, chosen or not.
-      if (lines && lane < W && lane != me && ((remote >> lane) & 1u) == 0) {
-        moe::ll_store(at.line(lane, parity, me, t), 0u, 0u, round32);
-      }
-    }
     if (!lines && moe::finish_unit(a.units_done, units, lane)) last = true;
   }
 
@@ -338,8 +339,14 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   const int fan_chunks = moe::chunks_per_row(row_vectors, expected_rows, g.warps);
   const int64_t fan_units = static_cast<int64_t>(expected_rows) * fan_chunks;
   const int fan_warps = fan_units < g.warps ? static_cast<int>(fan_units) : g.warps;
-  for (int i = 1; i < W && g.warp < fan_warps; ++i) {
+  // Each source's tokens and counts are kept by a warp of their own where the
+  // grid has warps beyond the fan-out's, so that no row waits for them.
+  const int spare = g.warps - fan_warps;
+  for (int i = 1; i < W; ++i) {
     const int s = (me + i) % W;
+    const int keeper = i - 1 < spare ? fan_warps + i - 1 : s % fan_warps;
+    const bool fans = g.warp < fan_warps;
+    if (!fans && g.warp != keeper) continue;
     // A relaxed poll: lines need no acquire; staged rows get theirs below.
     const uint32_t slot = a.dispatch_slot + static_cast<uint32_t>(parity * W + s);
     const uint64_t v = moe::warp_poll(team, slot, a.round << 32, lane);
@@ -350,7 +357,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     // Every lane's own acquire, so that its loads see the staged rows and counts.
     if (v != 0 && !from_lines) (void)device::read_signal(team, slot);
     moe::LinePoll poll(team, round32);
-    if (g.warp == s % fan_warps) {
+    if (g.warp == keeper) {
       if (from_lines) {
         receive_line_counts(a, at, poll, s, tokens, lane);
       } else {
@@ -361,6 +368,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
       }
       if (lane == 0) a.tokens_from[s] = tokens;
     }
+    if (!fans) continue;
     const unsigned s_units = static_cast<unsigned>(tokens * fan_chunks);
     const unsigned stride = static_cast<unsigned>(fan_warps);
     const unsigned offset = static_cast<unsigned>((static_cast<uint64_t>(i - 1) * stride) / W);

@@ -74,7 +74,7 @@ constexpr int kMoeThreadsPerBlock = 512;
 constexpr int kLowLatencyTokens = 8;
 // Low-latency calls launch at most this many blocks: enough warps to split a
 // few rows finely, fewer to start and to finish.
-constexpr int kLowLatencyBlocks = 16;
+constexpr int kLowLatencyBlocks = 8;
 // Load the kernels now (see preload_kernels in symmetric_kernels.h).
 cudaError_t preload_dispatch_kernel();
 cudaError_t preload_combine_kernel();
