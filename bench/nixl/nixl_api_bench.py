@@ -18,10 +18,20 @@ the ratio Ferry / NIXL, and --json.
         # ferry.compat.nixl with and without an option (no plugin needed)
     ... --place netns   # target and initiator in two network namespaces (a veth
         # between them), both systems over tcp, as between two hosts (root)
+    ... --mem vram [--gpus both|one-each] --systems nixl,ferry
+        # GPU 0 -> GPU 1 on one host: the initiator's source a torch tensor on GPU 0,
+        # the target's arena one on GPU 1, registered and described as VRAM; both
+        # processes see both GPUs (both), or each only its own (one-each:
+        # CUDA_VISIBLE_DEVICES=0 / =1, each on its cuda:0, device id 0 on both sides)
 
 The initiator runs NIXL's fastest configuration: nixl_agent_config(
 enable_prog_thread=False) (it then progresses in the caller's polls); the target
 keeps the default. Under Ferry both options are accepted and have no effect.
+UCX_TLS is left to the environment (unset: UCX picks cuda_ipc for GPU memory)
+except under --place netns. After each workload (outside the timing) the target
+compares the slot of the workload's last transfer with the initiator's random
+source (GPU memory through a copy to the host; the other slots hold the source
+or, never written, zeros), then zeroes them; --no-verify skips it.
 The same file is the worker: --role target|initiator (started by the harness).
 """
 from __future__ import annotations
@@ -74,41 +84,136 @@ def _arena_bytes(inflight: int) -> int:
     return max(b * n for _, b, n in WORKLOADS) * max(inflight, 1)
 
 
-def target(args) -> None:
+def _source(nbytes: int):
+    """The initiator's bytes (random, the same in every process: the target checks
+    against them)."""
     import numpy as np
+    return np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def _torch_device(args, role: str):
+    """torch and the CUDA device index of this side under --mem vram: the
+    initiator on GPU 0, the target on GPU 1; with --gpus one-each each process
+    sees only its own GPU, its cuda:0. Exits saying what is missing when torch
+    or the GPUs are not there."""
+    try:
+        import torch
+    except ImportError as e:
+        raise SystemExit(f"--mem vram: {sys.executable} cannot import torch ({e}); install "
+                         "torch with CUDA for this interpreter") from None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"--mem vram: torch {torch.__version__} in {sys.executable} has no CUDA "
+                         f"(built for CUDA {torch.version.cuda}, "
+                         f"CUDA_VISIBLE_DEVICES={visible!r}): no GPU or no driver here")
+    dev = 1 if role == "target" and args.gpus == "both" else 0
+    if torch.cuda.device_count() <= dev:
+        raise SystemExit(f"--mem vram --gpus {args.gpus}: the {role} needs cuda:{dev}, torch in "
+                         f"{sys.executable} sees {torch.cuda.device_count()} GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES={visible!r}); --gpus both needs two")
+    torch.cuda.set_device(dev)
+    return torch, dev
+
+
+class Arena:
+    """One side's memory: host memory (numpy), or under --mem vram a torch tensor
+    on the side's GPU; `kind` and `dev` as NIXL's descriptors name them."""
+
+    def __init__(self, args, role: str, data=None):
+        import numpy as np
+        self.nbytes = _arena_bytes(args.inflight)
+        self.torch = None
+        if args.mem == "vram":
+            self.torch, self.dev = _torch_device(args, role)
+            device = f"cuda:{self.dev}"
+            self.obj = (self.torch.from_numpy(data).to(device) if data is not None
+                        else self.torch.zeros(self.nbytes, dtype=self.torch.uint8, device=device))
+            self.torch.cuda.synchronize(self.dev)
+            self.addr, self.kind = self.obj.data_ptr(), "VRAM"
+        else:
+            self.obj = data if data is not None else np.zeros(self.nbytes, np.uint8)
+            self.addr, self.kind, self.dev = self.obj.ctypes.data, "DRAM", 0
+
+    def register(self, agent) -> None:
+        if self.torch is not None:  # NIXL takes the tensor: VRAM, on the tensor's device
+            agent.register_memory(self.obj)
+        else:
+            agent.register_memory([(self.addr, self.nbytes, 0, "")], "DRAM")
+
+    def check(self, size: int, slots: int, last: int, want) -> list:
+        """Slots [0, slots) of `size` bytes against want (GPU memory copied to the
+        host): the slot of the last transfer must hold want's bytes, every other
+        one want's or only zeros (not written: a request that completes at once is
+        reposted at once). [slot, wrong bytes] of each slot that fails."""
+        import numpy as np
+        got = self.obj[:size * slots]
+        if self.torch is not None:
+            got = got.cpu().numpy()
+        failed = []
+        for s in range(slots):
+            g = got[s * size:(s + 1) * size]
+            bad = int(np.count_nonzero(g != want[s * size:(s + 1) * size]))
+            if bad and (s == last or np.count_nonzero(g)):
+                failed.append([s, bad])
+        return failed
+
+    def zero(self, off: int, n: int) -> None:
+        if self.torch is not None:
+            self.obj[off:off + n].zero_()
+            self.torch.cuda.synchronize(self.dev)  # done before the next workload writes
+        else:
+            self.obj[off:off + n] = 0
+
+
+def target(args) -> None:
+    arena = Arena(args, "target")  # torch (vram) before nixl: NIXL recognises its tensors
     from nixl._api import nixl_agent, nixl_agent_config
     agent = nixl_agent("bench-target", nixl_agent_config(backends=[_backend()]))
-    buf = np.zeros(_arena_bytes(args.inflight), np.uint8)
-    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    arena.register(agent)
     _publish(os.path.join(args.dir, "target.md"), agent.get_agent_metadata())
-    _publish(os.path.join(args.dir, "target.addr"), str(buf.ctypes.data).encode())
+    _publish(os.path.join(args.dir, "target.addr"), str(arena.addr).encode())
+    _publish(os.path.join(args.dir, "target.dev"), str(arena.dev).encode())
+    want, k = None, 0
     while True:
         for msgs in agent.get_new_notifs().values():
             if b"bench-done" in msgs:
                 return
+        check = os.path.join(args.dir, f"check-{k}")
+        if os.path.exists(check + ".done"):  # the initiator's workload k finished: its bytes
+            size, slots, last = json.loads(_wait_file(check))
+            if want is None:
+                want = _source(arena.nbytes)
+            failed = arena.check(size, slots, last, want)
+            arena.zero(0, size * slots)  # the next workload's bytes are its own
+            _publish(os.path.join(args.dir, f"checked-{k}"), json.dumps(failed).encode())
+            k += 1
+            continue
         time.sleep(0.001)
 
 
 class NixlApi:
     """The program under test: NIXL's API (real NIXL, or Ferry through the shim)."""
 
-    def __init__(self, args, buf):
+    def __init__(self, args, arena):
         from nixl._api import nixl_agent, nixl_agent_config
         self.agent = nixl_agent("bench-initiator", nixl_agent_config(enable_prog_thread=False,
                                                                      backends=[_backend()]))
-        self.agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+        arena.register(self.agent)
         self.name = self.agent.add_remote_agent(_wait_file(os.path.join(args.dir, "target.md")))
         self.remote_base = int(_wait_file(os.path.join(args.dir, "target.addr")))
-        self.buf = buf
+        self.remote_dev = int(_wait_file(os.path.join(args.dir, "target.dev")))
+        self.arena = arena
 
     def prepare(self, block, count, slot):
-        """One request: `count` blocks of `block` bytes in arena slot `slot`."""
-        a = self.agent
+        """One request: `count` blocks of `block` bytes in arena slot `slot`; rows
+        (address, length, device id) of the memory type both sides registered."""
+        a, m = self.agent, self.arena
         base = slot * block * count
-        rows = [(self.buf.ctypes.data + base + i * block, block, 0) for i in range(count)]
-        rrows = [(self.remote_base + base + i * block, block, 0) for i in range(count)]
-        lside = a.prep_xfer_dlist("NIXL_INIT_AGENT", a.get_xfer_descs(rows, "DRAM"))
-        rside = a.prep_xfer_dlist(self.name, a.get_xfer_descs(rrows, "DRAM"))
+        rows = [(m.addr + base + i * block, block, m.dev) for i in range(count)]
+        rrows = [(self.remote_base + base + i * block, block, self.remote_dev)
+                 for i in range(count)]
+        lside = a.prep_xfer_dlist("NIXL_INIT_AGENT", a.get_xfer_descs(rows, m.kind))
+        rside = a.prep_xfer_dlist(self.name, a.get_xfer_descs(rrows, m.kind))
         idx = list(range(count))
         return a.make_prepped_xfer("WRITE", lside, idx, rside, idx), (lside, rside)
 
@@ -131,14 +236,14 @@ class FerryApi:
     """The same requests through Ferry's own Python API (prepare_write, post,
     Transfer.done): what the NIXL layer costs on top of it."""
 
-    def __init__(self, args, buf):
+    def __init__(self, args, arena):
         import ferry
         from ferry.compat.nixl import _metadata
         md = _metadata.decode(_wait_file(os.path.join(args.dir, "target.md")))
         self.remote_base = int(_wait_file(os.path.join(args.dir, "target.addr")))
         self.region_desc = {r.address: r.handle for r in md.regions}[self.remote_base]
         self.engine = ferry.Engine("0.0.0.0:0")
-        self.region = self.engine.register(buf)
+        self.region = self.engine.register(arena.obj)  # a numpy array or a CUDA tensor
         self.peer = self.engine.connect(md.engine)
         self.frame = b"FNX1" + struct.pack("<H", 15) + b"bench-initiator"
 
@@ -162,12 +267,24 @@ class FerryApi:
         self.peer.notify(self.frame + b"bench-done")  # the target is a NIXL-API agent
 
 
+def verify(args, k: int, what: str, size: int, slots: int, last: int) -> None:
+    """Asks the target to check the workload's arena slots against the source,
+    `last` the slot of its last transfer (check-k), and waits for its answer
+    (checked-k); outside the timing."""
+    if args.no_verify:
+        return
+    _publish(os.path.join(args.dir, f"check-{k}"), json.dumps([size, slots, last]).encode())
+    failed = json.loads(_wait_file(os.path.join(args.dir, f"checked-{k}"), timeout=300))
+    if failed:
+        raise SystemExit(f"verify: {what} ({args.mem}, api {args.api}): wrong bytes on the target, "
+                         f"[slot, of its {size}]: {failed} (the last transfer's slot: {last})")
+
+
 def initiator(args) -> None:
-    import numpy as np
-    buf = np.random.default_rng(1).integers(0, 256, _arena_bytes(args.inflight), dtype=np.uint8)
-    api = (FerryApi if args.api == "ferry" else NixlApi)(args, buf)
+    arena = Arena(args, "initiator", _source(_arena_bytes(args.inflight)))
+    api = (FerryApi if args.api == "ferry" else NixlApi)(args, arena)
     out = {}
-    for wname, block, count in WORKLOADS:
+    for k, (wname, block, count) in enumerate(WORKLOADS):
         reqs = [api.prepare(block, count, s) for s in range(args.inflight)]
         calls = max(8, min(2000, int(args.bytes_per_point // (block * count))))
         for n in (4, calls):  # a warm-up, then the measured run
@@ -185,8 +302,10 @@ def initiator(args) -> None:
                 live = still
             dt = time.perf_counter() - t0
         out[wname] = calls * block * count / dt / 1e9
+        last = next(s for s, r in enumerate(reqs) if r is req)  # the slot posted last
         for req in reqs:
             api.release(req)
+        verify(args, k, wname, block * count, args.inflight, last)
     req = api.prepare(LAT_BLOCK, 1, 0)
     samples = []
     for i in range(args.lat_iters + 50):
@@ -199,6 +318,7 @@ def initiator(args) -> None:
     samples.sort()
     out["lat_p50_us"] = samples[len(samples) // 2]
     out["lat_p99_us"] = samples[int(len(samples) * 0.99)]
+    verify(args, len(WORKLOADS), "blocking 4 KiB WRITE", LAT_BLOCK, 1, 0)
     api.close()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -217,17 +337,77 @@ def place_of(args, side: int) -> tuple[list, dict]:
         "FERRY_ENGINE_TRANSPORTS": "tcp", "FERRY_NIXL_LISTEN": f"{netns.ADDR[side]}:0"}
 
 
+def gpus_of(args, side: int) -> dict:
+    """CUDA_VISIBLE_DEVICES of one side: --gpus one-each shows the initiator only
+    GPU 0 and the target only GPU 1 (of those this process sees), as serving
+    stacks launch their workers; otherwise the environment is left as it is."""
+    if args.mem != "vram" or args.gpus != "one-each":
+        return {}
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in seen.split(",") if x.strip()] if seen else ["0", "1"]
+    if len(ids) < 2:
+        raise SystemExit(f"--gpus one-each: CUDA_VISIBLE_DEVICES={seen!r} names fewer than "
+                         "two GPUs")
+    return {"CUDA_VISIBLE_DEVICES": ids[0] if side == netns.INITIATOR else ids[1]}
+
+
+def worker_args(args, d: str) -> list:
+    return ["--dir", d, "--inflight", str(args.inflight), "--lat-iters", str(args.lat_iters),
+            "--bytes-per-point", str(args.bytes_per_point), "--mem", args.mem] \
+        + (["--gpus", args.gpus] if args.mem == "vram" else []) \
+        + (["--no-verify"] if args.no_verify else [])
+
+
+def check_gpus(args, systems) -> None:
+    """--mem vram: every interpreter the systems run (with its environment)
+    imports torch and sees the GPUs each side needs, or the run stops here,
+    saying what is missing. Prints what the initiator's interpreter found."""
+    if args.mem != "vram":
+        return
+    me, seen = os.path.abspath(__file__), set()
+    for python, env_extra, _ in systems:
+        key = (python, env_extra.get("PYTHONPATH"))
+        if key in seen:
+            continue
+        seen.add(key)
+        # --gpus both: one look (the target's cuda:1 needs both GPUs); one-each: each side.
+        roles = ["target"] if args.gpus == "both" else ["initiator", "target"]
+        for role in roles:
+            side = netns.TARGET if role == "target" else netns.INITIATOR
+            res = subprocess.run([python, me, "--role", "gpu-check", "--side", role]
+                                 + worker_args(args, "."),
+                                 env=dict(os.environ, **env_extra, **gpus_of(args, side)),
+                                 capture_output=True, text=True, timeout=300)
+            if res.returncode != 0:
+                lines = ((res.stderr or res.stdout).strip().splitlines()
+                         or [f"exit {res.returncode}"])
+                raise SystemExit(lines[-1] if lines[-1].startswith("--mem") else
+                                 f"--mem vram: {python} cannot run the {role} on its GPU:\n"
+                                 + "\n".join(lines[-15:]))
+            if len(seen) == 1:
+                print(res.stdout.strip())
+
+
+def gpu_check(args) -> None:
+    torch, dev = _torch_device(args, args.side)
+    print(f"{args.side}: cuda:{dev} = {torch.cuda.get_device_name(dev)} "
+          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, "
+          f"torch {torch.__version__}, {torch.cuda.device_count()} GPU(s) visible)")
+
+
 def run_once(python: str, env_extra: dict, api: str, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="nixl-bench-") as d:
         env = dict(os.environ, **env_extra)
         me = os.path.abspath(__file__)
-        common = ["--dir", d, "--inflight", str(args.inflight), "--lat-iters", str(args.lat_iters),
-                  "--bytes-per-point", str(args.bytes_per_point)]
+        common = worker_args(args, d)
         t_prefix, t_env = place_of(args, netns.TARGET)
         i_prefix, i_env = place_of(args, netns.INITIATOR)
+        t_env.update(gpus_of(args, netns.TARGET))
+        i_env.update(gpus_of(args, netns.INITIATOR))
+        t_log = open(os.path.join(d, "target.log"), "w")
         t = subprocess.Popen(t_prefix + [python, me, "--role", "target"] + common,
                              env=dict(env, **t_env), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
+                             stderr=t_log)
         try:
             res = subprocess.run(i_prefix + [python, me, "--role", "initiator", "--api", api]
                                  + common, env=dict(env, **i_env), capture_output=True, text=True,
@@ -238,11 +418,16 @@ def run_once(python: str, env_extra: dict, api: str, args) -> dict:
                 print(f"note: {python} initiator exited {res.returncode} after its result",
                       file=sys.stderr)
             elif res.returncode != 0:
-                raise RuntimeError(f"initiator failed ({python}, exit {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+                t_log.flush()
+                with open(os.path.join(d, "target.log")) as f:
+                    t_tail = f.read()[-2000:]
+                raise RuntimeError(f"initiator failed ({python}, exit {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+                                   + (f"\ntarget's stderr:\n{t_tail}" if t_tail else ""))
             t.wait(30)
         finally:
             if t.poll() is None:
                 t.kill()
+            t_log.close()
         line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
         return json.loads(line[len("RESULT "):])
 
@@ -263,6 +448,32 @@ def print_place(args) -> None:
     if args.place == "netns":
         print(f"target in network namespace {netns.NS[0]}, initiator in {netns.NS[1]}, a veth "
               "between them; NIXL with UCX_TLS=tcp, Ferry with FERRY_ENGINE_TRANSPORTS=tcp")
+    if args.mem == "vram":
+        if args.gpus == "both":
+            how = "both processes see both GPUs: the initiator on cuda:0, the target on cuda:1"
+        else:
+            i, t = (gpus_of(args, side)["CUDA_VISIBLE_DEVICES"]
+                    for side in (netns.INITIATOR, netns.TARGET))
+            how = (f"each process sees only its own GPU (initiator CUDA_VISIBLE_DEVICES={i}, "
+                   f"target ={t}), its cuda:0: device id 0 in both sides' descriptors")
+        tls = os.environ.get("UCX_TLS")
+        print(f"GPU memory (VRAM), GPU 0 -> GPU 1; {how}; UCX_TLS "
+              + (f"={tls} from the environment" if tls else "unset (UCX picks, cuda_ipc)"))
+
+
+def memory_of(args) -> str:
+    """What the rows move, for the table's header."""
+    if args.mem == "dram":
+        return "host memory"
+    return "GPU 0 -> GPU 1, " + ("both GPUs visible" if args.gpus == "both" else "one GPU each")
+
+
+def write_json(args, runs, med) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": runs, "median": med, "inflight": args.inflight, "mem": args.mem,
+                       "gpus": args.gpus, "place": args.place, "verified": not args.no_verify},
+                      f, indent=1)
 
 
 def harness(args) -> None:
@@ -274,6 +485,7 @@ def harness(args) -> None:
     systems = {"nixl": (args.nixl_python, nixl_env, "nixl"),
                "ferry": (args.ferry_python, ferry_env, "nixl"),
                "ferry-native": (args.ferry_python, ferry_env, "ferry")}
+    check_gpus(args, systems.values())
     runs = {k: [] for k in systems}
     order = list(systems)
     for r in range(args.rounds):  # alternate: the machine's slow spells hit every system
@@ -283,21 +495,21 @@ def harness(args) -> None:
             print(f"round {r + 1} {which}: {runs[which][-1]}", file=sys.stderr, flush=True)
     shutil.rmtree(ferry_env["PYTHONPATH"].split(os.pathsep)[0], ignore_errors=True)
     med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
-    print(f"{'workload (WRITE, host memory, ' + str(args.inflight) + ' in flight)':<42}"
+    first = f"workload (WRITE, {memory_of(args)}, {args.inflight} in flight)"
+    w = max(42, len(first))
+    print(f"{first:<{w}}"
           f"{'NIXL (UCX)':>11}{'Ferry':>9}{'Ferry/NIXL':>11}{'Ferry API':>11}{'layer':>8}")
     for wname, _, _ in WORKLOADS:
         n, f, fn = (med[k][wname] for k in ("nixl", "ferry", "ferry-native"))
-        print(f"{wname + ' GB/s':<42}{n:>11.3f}{f:>9.3f}{f / n:>11.2f}{fn:>11.3f}{f / fn:>8.2f}")
+        print(f"{wname + ' GB/s':<{w}}{n:>11.3f}{f:>9.3f}{f / n:>11.2f}{fn:>11.3f}{f / fn:>8.2f}")
     for m in ("lat_p50_us", "lat_p99_us"):
         n, f, fn = (med[k][m] for k in ("nixl", "ferry", "ferry-native"))
-        print(f"{'blocking 4 KiB WRITE ' + m[4:7] + ' us':<42}{n:>11.1f}{f:>9.1f}{n / f:>11.2f}"
+        print(f"{'blocking 4 KiB WRITE ' + m[4:7] + ' us':<{w}}{n:>11.1f}{f:>9.1f}{n / f:>11.2f}"
               f"{fn:>11.1f}{fn / f:>8.2f}")
     print(f"(medians of {args.rounds} alternating rounds; 'Ferry' runs the NIXL-API program on "
           "ferry.compat.nixl, 'Ferry API' the same requests through Ferry's own Python API; "
           "ratios > 1 favour the first named; latency ratios are inverted so that > 1 = faster)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rounds": runs, "median": med, "inflight": args.inflight}, f, indent=1)
+    write_json(args, runs, med)
 
 
 def harness_of(args, names) -> None:
@@ -346,6 +558,7 @@ def harness_of(args, names) -> None:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"--systems: {unknown} (this harness runs {sorted(known)})")
+    check_gpus(args, [known[n] for n in names])
     runs = {k: [] for k in names}
     for r in range(args.rounds):  # alternate: the machine's slow spells hit every system
         for which in (names if r % 2 == 0 else names[::-1]):
@@ -364,7 +577,9 @@ def harness_of(args, names) -> None:
             if label[n] != n:
                 legend.append(f"{label[n]} = {n}")
     first = names[0]
-    head = f"{'workload (WRITE, host memory, ' + str(args.inflight) + ' in flight)':<42}"
+    head = f"workload (WRITE, {memory_of(args)}, {args.inflight} in flight)"
+    w = max(42, len(head))
+    head = f"{head:<{w}}"
     head += "".join(f"{label[k]:>12}" for k in names)
     short = {"nixl": "UCX", "plugin": "FERRY", "plugin-nopoll": "nopoll",
              "plugin-staging": "stg", "plugin-staging-nopoll": "stgnp", "plugin-ring": "ring",
@@ -374,24 +589,23 @@ def harness_of(args, names) -> None:
     head += "".join(f"{short[k] + '/' + short[first]:>12}" for k in names[1:])
     print(head)
     for wname, _, _ in WORKLOADS:
-        row = f"{wname + ' GB/s':<42}" + "".join(f"{med[k][wname]:>12.3f}" for k in names)
+        row = f"{wname + ' GB/s':<{w}}" + "".join(f"{med[k][wname]:>12.3f}" for k in names)
         print(row + "".join(f"{med[k][wname] / med[first][wname]:>12.2f}" for k in names[1:]))
     for m in ("lat_p50_us", "lat_p99_us"):
-        row = f"{'blocking 4 KiB WRITE ' + m[4:7] + ' us':<42}"
+        row = f"{'blocking 4 KiB WRITE ' + m[4:7] + ' us':<{w}}"
         row += "".join(f"{med[k][m]:>12.1f}" for k in names)
         print(row + "".join(f"{med[first][m] / med[k][m]:>12.2f}" for k in names[1:]))
     print(f"(medians of {args.rounds} alternating rounds, one NIXL wheel; ratios > 1 favour the "
           "later column; latency ratios are inverted so that > 1 = faster)")
     for line in legend:
         print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rounds": runs, "median": med, "inflight": args.inflight}, f, indent=1)
+    write_json(args, runs, med)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--role", choices=["harness", "target", "initiator"], default="harness")
+    p.add_argument("--role", choices=["harness", "target", "initiator", "gpu-check"],
+                   default="harness")
     p.add_argument("--dir")
     p.add_argument("--api", choices=["nixl", "ferry"], default="nixl")
     p.add_argument("--nixl-python", default="python3")
@@ -411,9 +625,29 @@ def main() -> None:
                         "over tcp as between two hosts (bench/netns.py; needs root)")
     p.add_argument("--plugin-dir", default="build/nixl_plugins",
                    help="folder holding libplugin_FERRY.so, for the 'plugin' system")
+    p.add_argument("--mem", choices=["dram", "vram"], default="dram",
+                   help="dram: host memory (numpy) on both sides; vram: GPU 0 -> GPU 1 on this "
+                        "host, torch tensors registered and described as VRAM (needs torch with "
+                        "CUDA in every interpreter, and two GPUs)")
+    p.add_argument("--gpus", choices=["both", "one-each"],
+                   help="with --mem vram (default both): both = both processes see both GPUs "
+                        "(initiator cuda:0, target cuda:1); one-each = the initiator runs with "
+                        "CUDA_VISIBLE_DEVICES=0, the target with =1, each on its cuda:0")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the target's check of each workload's bytes (outside the timing)")
+    p.add_argument("--side", choices=["initiator", "target"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.mem == "vram" and args.place == "netns":
+        p.error("--mem vram is GPU memory between two processes of one host; --place netns "
+                "moves host memory only (two namespaces as two hosts, over tcp): use one or the "
+                "other")
+    if args.gpus is not None and args.mem != "vram":
+        p.error("--gpus goes with --mem vram (host memory uses no GPU)")
+    if args.mem == "vram" and args.gpus is None:
+        args.gpus = "both"
     if args.role != "harness" or args.place != "netns":
-        {"harness": harness, "target": target, "initiator": initiator}[args.role](args)
+        {"harness": harness, "target": target, "initiator": initiator,
+         "gpu-check": gpu_check}[args.role](args)
         return
     netns.up()
     try:

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# On the GPU device machine (two GPUs, no network), in one command: issue 28's
+# GPU -> GPU rows of the NIXL-API program (bench/nixl/nixl_api_bench.py --mem vram):
+# real NIXL (UCX, UCX_TLS unset: it picks cuda_ipc) against Ferry underneath
+# (ferry.compat.nixl through the `nixl` shim), GPU 0 -> GPU 1 on one host, first
+# with both GPUs visible to both processes (--gpus both), then with each process
+# seeing only its own (--gpus one-each: CUDA_VISIBLE_DEVICES=0 / =1, as serving
+# stacks launch them). Results in $OUT:
+#   machine.txt   GPUs, topology, torch, commit
+#   build.txt     Ferry's Python module (bench/device/build.sh, ferry_python_devtree)
+#   pip.txt       NIXL from .devcarry/wheels-nixl in a venv that sees torch
+#   nixl_api_vram_both.{txt,json,log}, nixl_api_vram_one_each.{txt,json,log}
+#                 the table, --json, and the rounds (stderr)
+#
+#   run(command="bench/nixl/gpu_rows_run.sh", kind="nvidia-h200-x2",
+#       carry=[".devcarry/root", ".devcarry/wheels-nixl"])
+# (.devcarry/: bench/device/prepare.sh --nixl, here.) GPUS_MODES (default "both
+# one-each") picks the launches, SYSTEMS (default nixl,ferry) the systems,
+# BENCH_ARGS replace "--rounds 3 --bytes-per-point 1e10 --lat-iters 3000"; each
+# launch is cut at RUN_LIMIT_S (default 200). FERRY_PYTHONPATH=DIR skips the build.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
+ROOT=$PWD
+O=${OUT:-/tmp/out}
+mkdir -p "$O"
+t0=$SECONDS
+LIMIT=${DEVICE_LIMIT_S:-590}  # the command's limit on the device machine (600 s), less a margin
+PY=$(command -v "${PYTHON:-python3}")
+# NVLink multicast stays off (the device machines' rule), also for the processes started here.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+{
+  nvidia-smi -L; nvidia-smi topo -m; uname -r; echo "nproc $(nproc)"; echo "python3 $PY"
+  git log --oneline -1 2>/dev/null; date -u +%Y-%m-%dT%H:%M:%SZ
+  echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset} UCX_TLS=${UCX_TLS-unset}"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+} > "$O/machine.txt" 2>&1
+cat "$O/machine.txt"
+
+# --- 1. Ferry's Python module ------------------------------------------------------------
+export LD_LIBRARY_PATH=$ROOT/.devcarry/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+if [[ -z "${FERRY_PYTHONPATH:-}" ]]; then
+  export BUILD=${BUILD:-/tmp/b-nixl-gpu}
+  TARGETS=ferry_python_devtree bench/device/build.sh -DFERRY_BUILD_PYTHON=ON -DFERRY_BUILD_TESTS=OFF \
+    -DFERRY_BUILD_TOOLS=OFF -DPython_EXECUTABLE="$PY" > "$O/build.txt" 2>&1 ||
+    { echo "BUILD FAILED"; grep -E "error|FAILED" -A3 "$O/build.txt" | head -40; tail -20 "$BUILD.cmake.log" 2>/dev/null; exit 1; }
+  export FERRY_PYTHONPATH=$BUILD/python
+  echo "ferry built in $((SECONDS - t0)) s ($BUILD)"
+fi
+
+# --- 2. a venv that sees torch, with NIXL (as bench/cuda_ipc/device_run.sh) ---------------
+V=${BENCH_VENV:-/tmp/cuda-ipc-venv}
+: > "$O/pip.txt"
+if { [[ -x $V/bin/python ]] || "$PY" -m venv --system-site-packages "$V" >> "$O/pip.txt" 2>&1; } &&
+   "$V/bin/python" -m pip --version > /dev/null 2>&1; then
+  BPY=$V/bin/python
+  if ! "$BPY" -c "import torch" 2>/dev/null; then  # python3 is itself a venv: a .pth names its packages
+    sp=$("$BPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    "$PY" -c "import site; print('\n'.join(site.getsitepackages()))" > "$sp/zz-system-python3.pth"
+  fi
+  PIP=("$BPY" -m pip install)
+else  # no ensurepip: NIXL goes to a folder, which the nixl rows get as NIXL_PYTHONPATH
+  BPY=$PY
+  export NIXL_PYTHONPATH=/tmp/cuda-ipc-site
+  PIP=("$PY" -m pip install --target "$NIXL_PYTHONPATH")
+fi
+nixl_ok='import torch, nixl; from nixl._api import nixl_agent, nixl_agent_config; import os; os._exit(0)'
+if ! PYTHONPATH=${NIXL_PYTHONPATH:-} "$BPY" -c "$nixl_ok" >> "$O/pip.txt" 2>&1; then
+  ls .devcarry/wheels-nixl/nixl*.whl > /dev/null 2>&1 ||
+    { echo "no .devcarry/wheels-nixl/*.whl (bench/device/prepare.sh --nixl here, and carry it)"; exit 1; }
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "${PIP[@]}" -q --no-index --no-deps \
+    --find-links .devcarry/wheels-nixl nixl nixl-cu13 >> "$O/pip.txt" 2>&1 ||
+    { echo "nixl install failed: $(tail -n 1 "$O/pip.txt")"; exit 1; }
+fi
+# UCX's CUDA modules in nixl-cu13 need libcudart.so.13: the one torch loads (nvidia-cuda-runtime).
+cudart=$("$BPY" - <<'EOF' 2>/dev/null
+import glob, os, sys
+for p in sys.path:
+    for f in glob.glob(os.path.join(p, "nvidia", "**", "libcudart.so.13*"), recursive=True):
+        print(os.path.dirname(f)); raise SystemExit
+EOF
+)
+[[ -n "$cudart" ]] && export LD_LIBRARY_PATH=$cudart:$LD_LIBRARY_PATH
+[[ -d /usr/local/cuda/lib64 ]] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/usr/local/cuda/lib64
+PYTHONPATH=$FERRY_PYTHONPATH "$BPY" -c "import ferry; print('ferry', ferry.version(), ferry.__file__, '| cuda:', ferry.cuda_available(), ferry.cuda_unavailable_reason())" 2>&1 | tee -a "$O/pip.txt"
+PYTHONPATH=${NIXL_PYTHONPATH:-} "$BPY" -c "$nixl_ok" >> "$O/pip.txt" 2>&1 ||
+  { echo "nixl: NOT importable (pip.txt)"; tail -5 "$O/pip.txt"; exit 1; }
+echo "set-up done at $((SECONDS - t0)) s"
+
+# --- 3. the two launches -----------------------------------------------------------------
+rc=0
+for g in ${GPUS_MODES:-both one-each}; do
+  left=$((LIMIT - (SECONDS - t0)))
+  if (( left < 60 )); then echo "--gpus $g: NOT RUN, $left s left of the command's limit"; rc=1; continue; fi
+  lim=${RUN_LIMIT_S:-200}
+  (( lim > left )) && lim=$left
+  name=nixl_api_vram_${g//-/_}
+  echo "--- --mem vram --gpus $g (at $((SECONDS - t0)) s, limit $lim s)"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$lim" "$PY" bench/nixl/nixl_api_bench.py --nixl-python "$BPY" --ferry-python "$BPY" \
+    --systems "${SYSTEMS:-nixl,ferry}" --mem vram --gpus "$g" \
+    ${BENCH_ARGS:---rounds 3 --bytes-per-point 1e10 --lat-iters 3000} --json "$O/$name.json" \
+    > "$O/$name.txt" 2> "$O/$name.log"
+  r=$?
+  cat "$O/$name.txt"
+  if [ $r -ne 0 ]; then rc=1; echo "--gpus $g: exit $r"; tail -30 "$O/$name.log"; fi
+done
+echo "total $((SECONDS - t0)) s, rc $rc"
+exit $rc
