@@ -508,14 +508,9 @@ Status ShmTransport::send_request(const std::shared_ptr<Connection>& c,
             err::PeerDisconnected(fmt::format("shm: connection to {} is closed", describe(*c)));
       } else {
         entry.transfer = t;
-        // Small ones through the request ring where it may take them.
-        const auto gpu = [](int device) { return device >= 0; };
-        const auto touches_gpu = [&] {
-          return std::any_of(copy_in_devices.begin(), copy_in_devices.end(), gpu) ||
-                 std::any_of(entry.copy_out_devices.begin(), entry.copy_out_devices.end(), gpu);
-        };
-        in_ring = c->rings && (opt_.ring_carries_gpu || !touches_gpu()) &&
-                  ring_post_locked(*c, id, frame, entry);
+        // Small ones through the request ring where it may take them
+        // (GPU memory's staged requests too: their copies run as over the socket).
+        in_ring = c->rings && ring_post_locked(*c, id, frame, entry);
         if (!in_ring) {
           entry.on_socket = true;
           c->socket_unanswered.fetch_add(1, std::memory_order_relaxed);

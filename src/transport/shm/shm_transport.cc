@@ -86,8 +86,8 @@ const OptionSpec kShmOptionSpecs[] = {
      "and the target polls the ring while it busy-polls (shm.busy_poll_us); the target checks "
      "and copies them exactly as socket requests. Used on a connection where both engines turn "
      "it on. auto: on where the process may use 8 CPUs or more (both sides then poll on cores "
-     "of their own), else off, and GPU memory's staged requests keep the socket; true: every "
-     "small request, GPU memory's too; false: off"},
+     "of their own), else off; true: on; false: off. GPU memory's staged requests take it "
+     "as host memory's do"},
     {"shm.ring_max_bytes", OptionType::kBytes, "256KiB",
      "the largest request (payload bytes) that goes through the request ring", 0, 1 << 20},
 };
@@ -205,11 +205,9 @@ Status ShmTransport::read_options() {
         fmt::format("option shm.mode: '{}' is none of auto, cma, staging", mode));
   }
   opt_.staging_bytes = o.get_uint("shm.staging_bytes");
-  const std::string& ring_text = o.get_string("shm.request_ring");
-  auto ring = parse_request_ring(ring_text);
+  auto ring = parse_request_ring(o.get_string("shm.request_ring"));
   if (!ring.ok()) return ring.status();
   opt_.request_ring = *ring;
-  opt_.ring_carries_gpu = *ring && ring_text != "auto";
   opt_.ring_max_bytes = o.get_uint("shm.ring_max_bytes");
   // The engine validated it; empty where only shm's options exist (tests).
   const std::string& gpu_path = o.get_string(kGpuSameHostPathOption);

@@ -87,10 +87,6 @@ struct ShmOptions {
   bool gpu_areas = true;
   // Small requests through shared-memory request rings (shm_request_ring.h).
   bool request_ring = false;
-  // shm.request_ring=true: GPU memory's staged requests go through the ring
-  // too; auto keeps them on the socket (their copy-engine copies, 10 us and
-  // more, dwarf the few microseconds the ring saves).
-  bool ring_carries_gpu = false;
   uint64_t ring_max_bytes = 256 << 10;
 };
 
