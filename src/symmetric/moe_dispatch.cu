@@ -137,9 +137,12 @@ __device__ void send_line_signals(const MoeKernelArgs& a, int lane) {
   const int W = team.size, E = a.experts_per_rank, K = a.top_k, me = team.rank;
   const int parity = static_cast<int>(a.round & 1);
   const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens) | kLinesFlag;
+  // A relaxed store, not a release: it orders no data, and a release at system
+  // scope would first wait for this SM's earlier stores.
   for (int d = lane; d < W; d += 32) {
     if (d != me) {
-      device::signal(team, d, a.dispatch_slot + static_cast<uint32_t>(parity * W + me), value);
+      uint64_t* slot = team.signals[d] + a.dispatch_slot + static_cast<uint32_t>(parity * W + me);
+      asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(slot), "l"(value) : "memory");
     }
   }
   const int choices = a.num_tokens * K;
@@ -371,7 +374,11 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     if (!fans) continue;
     const unsigned s_units = static_cast<unsigned>(tokens * fan_chunks);
     const unsigned stride = static_cast<unsigned>(fan_warps);
-    const unsigned offset = static_cast<unsigned>((static_cast<uint64_t>(i - 1) * stride) / W);
+    // Source i starts its units (i - 1) / (W - 1) of the way round the warps,
+    // so that, when each source sends as many rows as expected, every warp
+    // serves one source and no warp two in turn.
+    const unsigned offset = static_cast<unsigned>((static_cast<uint64_t>(i - 1) * stride) /
+                                                  static_cast<unsigned>(W - 1));
     const unsigned start = (static_cast<unsigned>(g.warp) + stride - offset) % stride;
     if (from_lines) {
       for (unsigned w = start; w < s_units; w += stride) {
