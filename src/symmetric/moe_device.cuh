@@ -241,17 +241,29 @@ __device__ __forceinline__ void ll_fan_copy(LinePoll& poll, const int4* line_row
 
 // fan_copy to two kinds of destination: plain rows (each lane of
 // `dst_lanes`: its `dst`) and line rows flagged `flag` (each lane of
-// `line_lanes`: its `line_dst`). Each source vector is loaded once.
+// `line_lanes`: its `line_dst`). Each source vector is loaded once;
+// `batch` holds the first 32 x kUnroll vectors, loaded by load_batch before:
+// a caller issues those loads first so that they overlap its other work.
+__device__ __forceinline__ void load_batch(const int4* src, uint64_t base, uint64_t end, int lane,
+                                           int4 (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
+    v[u] = i < end ? device::load_stream(src + i) : make_int4(0, 0, 0, 0);
+  }
+}
+
 __device__ __forceinline__ void fan_copy_to_lines(const int4* src, int4* dst, unsigned dst_lanes,
                                                   int4* line_dst, unsigned line_lanes,
                                                   uint32_t flag, uint64_t first, uint64_t end,
-                                                  int lane) {
+                                                  int lane, const int4 (&batch)[kUnroll]) {
   for (uint64_t base = first; base < end; base += 32 * kUnroll) {
     int4 v[kUnroll];
+    if (base == first) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
-      v[u] = i < end ? device::load_stream(src + i) : make_int4(0, 0, 0, 0);
+      for (int u = 0; u < kUnroll; ++u) v[u] = batch[u];
+    } else {
+      load_batch(src, base, end, lane, v);
     }
     for (unsigned m = line_lanes; m != 0; m &= m - 1) {  // the NVLink stores first
       const int from = __ffs(static_cast<int>(m)) - 1;

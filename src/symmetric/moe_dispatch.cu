@@ -243,6 +243,12 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   if (lines && g.warp == g.warps - 1) send_line_signals(a, lane);
   for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
     const int t = static_cast<int>(w) / chunks, c = static_cast<int>(w) % chunks;
+    uint64_t first = 0, end = 0;
+    moe::chunk_range(row_vectors, chunks, c, &first, &end);
+    const int4* row = x + static_cast<uint64_t>(t) * row_vectors;
+    // Lines: the row's first vectors are loaded now, while the routing is worked out.
+    int4 batch[moe::kUnroll];
+    if (lines) moe::load_batch(row, first, end, lane, batch);
     // Lane k holds choice k: its expert, member, slot.
     int64_t e = -1;
     float weight = 0.f;
@@ -319,11 +325,9 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     }
     const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
     const unsigned line_lanes = __ballot_sync(kFullMask, line_dst != nullptr);
-    uint64_t first = 0, end = 0;
-    moe::chunk_range(row_vectors, chunks, c, &first, &end);
-    const int4* row = x + static_cast<uint64_t>(t) * row_vectors;
     if (line_lanes != 0) {
-      moe::fan_copy_to_lines(row, dst, dst_lanes, line_dst, line_lanes, round32, first, end, lane);
+      moe::fan_copy_to_lines(row, dst, dst_lanes, line_dst, line_lanes, round32, first, end, lane,
+                             batch);
     } else if (dst_lanes != 0) {
       moe::fan_copy<true>(row, dst, dst_lanes, first, end, lane);
     }
