@@ -177,6 +177,14 @@ class MoeExchange:
 
     Global expert e lives on member e // experts_per_rank. Calls alternate
     dispatch, combine, dispatch, ... and every member makes the same calls.
+
+    A call of at most 8 tokens (``moe_layout(...)["ll_tokens"]``, a decode step's) takes
+    the low-latency path: its rows travel in stores that carry their own
+    completion flag, with no fence or separate signal, and it launches at most
+    8 blocks. Members whose calls differ widely in size stay correct, but the
+    small ones then receive the others' rows slowly. A peer that stops sending
+    shows as ``ferry.Timeout`` from ``memory.check_device_error()`` after
+    ``wait_timeout_s``, naming it.
     """
 
     def __init__(
