@@ -239,11 +239,7 @@ __device__ __forceinline__ void ll_fan_copy(LinePoll& poll, const int4* line_row
   }
 }
 
-// fan_copy to two kinds of destination: plain rows (each lane of
-// `dst_lanes`: its `dst`) and line rows flagged `flag` (each lane of
-// `line_lanes`: its `line_dst`). Each source vector is loaded once;
-// `batch` holds the first 32 x kUnroll vectors, loaded by load_batch before:
-// a caller issues those loads first so that they overlap its other work.
+// Vectors [base, base + 32 x kUnroll) of a row, lane's share, read-only path.
 __device__ __forceinline__ void load_batch(const int4* src, uint64_t base, uint64_t end, int lane,
                                            int4 (&v)[kUnroll]) {
 #pragma unroll
@@ -253,6 +249,11 @@ __device__ __forceinline__ void load_batch(const int4* src, uint64_t base, uint6
   }
 }
 
+// fan_copy to two kinds of destination: plain rows (each lane of
+// `dst_lanes`: its `dst`) and line rows flagged `flag` (each lane of
+// `line_lanes`: its `line_dst`). Each source vector is loaded once; `batch`
+// holds the first batch, loaded by load_batch before the call, so that a
+// caller's other work overlaps those loads.
 __device__ __forceinline__ void fan_copy_to_lines(const int4* src, int4* dst, unsigned dst_lanes,
                                                   int4* line_dst, unsigned line_lanes,
                                                   uint32_t flag, uint64_t first, uint64_t end,
