@@ -121,10 +121,25 @@ __device__ __forceinline__ uint64_t warp_poll(const DeviceTeam& team, uint32_t s
   return __shfl_sync(kFullMask, v, 0);
 }
 
+// Data a peer wrote during this kernel (staged rows, meta records, counts,
+// partial rows), read after the acquire of the peer's signal: from L2, never
+// from this SM's L1. The acquire invalidates L1, but another warp of the SM
+// may have a load of a neighbouring value in flight whose fill lands after
+// the invalidation and carries the line as it was before the peer's write;
+// a weak load of ours could then hit that stale line. No row is read twice,
+// so L1 gains nothing here.
+__device__ __forceinline__ int4 load_peer(const int4* p) {
+  return __ldcg(p);
+}
+__device__ __forceinline__ int load_peer(const int* p) {
+  return __ldcg(p);
+}
+
 // One warp copies vectors [first, end) of the row at `src` to every lane's
 // `dst` among `dst_lanes` (a row start each): each vector is loaded once and
 // stored to every destination. Every lane must call it with the same
-// arguments except `dst`.
+// arguments except `dst`. kReadOnlySource: `src` is not written while the
+// kernel runs (the read-only path); otherwise a peer wrote it (load_peer).
 template <bool kReadOnlySource>
 __device__ __forceinline__ void fan_copy(const int4* src, int4* dst, unsigned dst_lanes,
                                          uint64_t first, uint64_t end, int lane) {
@@ -133,7 +148,11 @@ __device__ __forceinline__ void fan_copy(const int4* src, int4* dst, unsigned ds
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
-      v[u] = i < end ? device::load_source<kReadOnlySource>(src + i) : make_int4(0, 0, 0, 0);
+      if constexpr (kReadOnlySource) {
+        v[u] = i < end ? device::load_stream(src + i) : make_int4(0, 0, 0, 0);
+      } else {
+        v[u] = i < end ? load_peer(src + i) : make_int4(0, 0, 0, 0);
+      }
     }
     for (unsigned m = dst_lanes; m != 0; m &= m - 1) {
       const int from = __ffs(static_cast<int>(m)) - 1;
@@ -312,7 +331,7 @@ __device__ __forceinline__ int4 pack_bf16(const float* acc) {
 //   weight_i * row_i  for the lanes i in `weighted_lanes` (each lane's `row`
 //                     and `weight`; rows written by earlier kernels: read-only path)
 // + row_j            for the lanes j in `plain_lanes` (each lane's `plain`;
-//                     rows written during this kernel: weak loads)
+//                     rows a peer wrote during this kernel: load_peer)
 // rounded to bf16 once. Every lane must call it with the same lane masks.
 // kLinesIn: the plain rows are line rows, lane j's written by member j, polled
 // through `poll`. kLineOut: `dst` is a line row, flagged with poll's flag.
@@ -365,7 +384,7 @@ __device__ __forceinline__ void weighted_sum(int4* dst, const int4* row, float w
         if constexpr (kLinesIn) {
           v[u] = i < end ? poll->load_vector(r, i, from) : make_int4(0, 0, 0, 0);
         } else {
-          v[u] = i < end ? r[i] : make_int4(0, 0, 0, 0);
+          v[u] = i < end ? load_peer(r + i) : make_int4(0, 0, 0, 0);
         }
       }
 #pragma unroll

@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
         receive_line_counts(a, at, poll, s, tokens, lane);
       } else {
         for (int l = lane; l < E; l += 32) {
-          const int count = v != 0 ? at.counts(me, parity, s)[l] : 0;
+          const int count = v != 0 ? moe::load_peer(at.counts(me, parity, s) + l) : 0;
           a.recv_count[l * W + s] = count < a.max_tokens ? count : a.max_tokens;
         }
       }
@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
       const int t = static_cast<int>(w) / fan_chunks, c = static_cast<int>(w) % fan_chunks;
       const int4* rec = at.meta(me, s, t);
       // The header and the entries in one load (lane 0: header, lane 1 + j: entry j).
-      const int4 mine = lane <= K ? rec[lane] : make_int4(0, 0, 0, 0);
+      const int4 mine = lane <= K ? moe::load_peer(rec + lane) : make_int4(0, 0, 0, 0);
       const int tag = __shfl_sync(kFullMask, mine.x, 0);
       const int count = __shfl_sync(kFullMask, mine.y, 0);
       if (static_cast<uint32_t>(tag) != round32) continue;  // token t chose none here
@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
       int entry_slot = __shfl_down_sync(kFullMask, mine.y, 1);
       const int n = count < K ? count : K;
       if (lane == 31 && n == 32) {  // top-32: the last entry is past the lanes
-        const int4 e32 = rec[32];
+        const int4 e32 = moe::load_peer(rec + 32);
         entry_le = e32.x;
         entry_slot = e32.y;
       }
@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
       if (dst_lanes == 0) continue;
       uint64_t first = 0, end = 0;
       moe::chunk_range(row_vectors, fan_chunks, c, &first, &end);
-      // Weak loads: the peer wrote these rows during this kernel.
+      // From L2 (load_peer): the peer wrote these rows during this kernel.
       moe::fan_copy<false>(at.stage_row(me, s, t), dst, dst_lanes, first, end, lane);
       if (c == 0 && dst != nullptr) *at.recv_src(me, le, s, slot) = t;
     }
