@@ -23,15 +23,18 @@ enum DeviceErrorCode : uint32_t {
   kDeviceErrorBadSlot = 3,      // a signal/wait named a slot outside [0, signal_slots)
   kDeviceErrorOutOfRange = 4,   // a put outside [0, data_bytes)
   kDeviceErrorLineTimeout = 5,  // a low-latency line from `peer` kept an older flag for timeout_ns
+  kDeviceErrorFlagTimeout =
+      6,  // a staged group's flag from `peer` kept an older round for timeout_ns
 };
 
 struct DeviceError {
-  uint32_t code;      // DeviceErrorCode; 0 while nothing went wrong
-  int32_t rank;       // the member whose kernel recorded it
-  int32_t peer;       // the member named by the failing call (-1: none)
-  uint32_t slot;      // the signal slot (wait, signal)
-  uint64_t expected;  // wait: the value waited for; put: offset + bytes asked for; line: flag
-  uint64_t observed;  // wait: the slot's last value; put: data_bytes; line: the flag seen
+  uint32_t code;  // DeviceErrorCode; 0 while nothing went wrong
+  int32_t rank;   // the member whose kernel recorded it
+  int32_t peer;   // the member named by the failing call (-1: none)
+  uint32_t slot;  // the signal slot (wait, signal)
+  uint64_t
+      expected;  // wait: the value waited for; put: offset + bytes asked for; line, flag: round
+  uint64_t observed;  // wait: the slot's last value; put: data_bytes; line, flag: the flag seen
   uint64_t waited_ns;
   uint32_t block;  // blockIdx.x and threadIdx.x of the recording thread
   uint32_t thread;

@@ -55,15 +55,16 @@ struct MoeLayout {
   uint64_t recv_x_offset = 0;    // bf16 [experts_per_rank][size * max_tokens][hidden]
   uint64_t recv_src_offset = 0;  // int32 [experts_per_rank][size * max_tokens]
   uint64_t stage_offset = 0;     // bf16 [size][max_tokens][hidden]: tokens as they arrive
-  uint64_t meta_offset = 0;      // int4 [size][max_tokens][1 + top_k]: where each goes
-  uint64_t counts_offset = 0;    // int32 [2][size][experts_per_rank]
-  uint64_t partial_offset = 0;   // bf16 [size][max_tokens][hidden]: combine's returned sums
+  uint64_t meta_offset = 0;      // int4 [2][size][max_tokens][1 + top_k]: where each goes
+  uint64_t flags_offset = 0;    // u32 [2][size][max_tokens][groups]: each group of 32 vectors there
+  uint64_t partial_offset = 0;  // bf16 [size][max_tokens][hidden]: combine's returned sums
+  uint64_t partial_flags_offset = 0;  // u32 [size][max_tokens][groups]: of the partial rows
   // Low-latency areas of calls with few tokens (flags in every 16-byte store):
   uint64_t ll_offset = 0;          // [2][size][L][meta + row] dispatch lines
   uint64_t ll_partial_offset = 0;  // [size][L][row] combine's returned sums
   int ll_tokens = 0;               // L: calls of at most this many tokens take that path
   uint64_t data_bytes = 0;
-  uint32_t signal_slots = 0;  // 2 sets of one per source (dispatch), one per member (combine)
+  uint32_t signal_slots = 0;  // 2 sets of one per source (dispatch): how many tokens come
 };
 Result<MoeLayout> moe_layout(const MoeConfig& config, int members);
 

@@ -164,8 +164,9 @@ nb::dict layout_dict(const ferry::MoeLayout& l) {
   d["recv_src_offset"] = l.recv_src_offset;
   d["stage_offset"] = l.stage_offset;
   d["meta_offset"] = l.meta_offset;
-  d["counts_offset"] = l.counts_offset;
+  d["flags_offset"] = l.flags_offset;
   d["partial_offset"] = l.partial_offset;
+  d["partial_flags_offset"] = l.partial_flags_offset;
   d["ll_offset"] = l.ll_offset;
   d["ll_partial_offset"] = l.ll_partial_offset;
   d["ll_tokens"] = l.ll_tokens;

@@ -6,18 +6,17 @@
 //     dispatch left for (source, token) names this member's rows of the
 //     token and their weights; the warp reads each once, sums weight x row in
 //     fp32 and stores the sum, rounded to bf16, into the source's partial row
-//     for (this member, token) over NVLink.
-//  2. the warp that finishes the last unit signals every other member (release,
-//     system scope; value round).
-//  3. source side: warps take (token, chunk) of this member's tokens, wait for
-//     the members the token chose (acquire), and write
+//     for (this member, token) over NVLink; after a fence, the flag of each
+//     group of 32 vectors it wrote.
+//  2. source side: warps take (token, chunk) of this member's tokens, wait for
+//     the flags of the members the token chose (acquire), and write
 //       out = sum of weight x row over this member's own experts (read in
 //             place from y) + the other members' partial rows
-//     accumulated in fp32, rounded to bf16 once. Every row is read once.
+//     accumulated in fp32, rounded to bf16 once. Every row is read once, as
+//     soon as its groups land: no member waits for another's whole call.
 // Low latency (a source's call of at most ll_tokens tokens, moe_kernels.h):
 // the partial rows for that source travel in flagged lines, which the source
-// polls instead of waiting for a signal; a member with no other source sends
-// no signal and waits for no unit.
+// polls.
 #include "symmetric/moe_device.cuh"
 
 namespace ferry::symmetric {
@@ -34,6 +33,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
   const uint64_t row_vectors = static_cast<uint64_t>(a.hidden) / 8;
   const auto* y = static_cast<const int4*>(a.y);
   const uint32_t round32 = static_cast<uint32_t>(a.round);
+  const int parity = static_cast<int>(a.round & 1);
   auto y_row = [&](int le, int s, int slot) {
     return y + ((static_cast<uint64_t>(le) * W + s) * a.max_tokens + slot) * row_vectors;
   };
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
   // The header and the entries come in one load (lane 0: header, lane 1 + j:
   // entry j; top-32's last entry separately).
   auto load_entries = [&](const int4* rec, int s, const int4** row, float* weight) -> unsigned {
-    const int4 mine = lane <= K ? rec[lane] : make_int4(0, 0, 0, 0);
+    const int4 mine = lane <= K ? moe::load_peer(rec + lane) : make_int4(0, 0, 0, 0);
     const int tag = __shfl_sync(kFullMask, mine.x, 0);
     const int count = __shfl_sync(kFullMask, mine.y, 0);
     if (static_cast<uint32_t>(tag) != round32) return 0u;  // no choice of this token here
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     entry.y = __shfl_down_sync(kFullMask, mine.y, 1);
     entry.z = __shfl_down_sync(kFullMask, mine.z, 1);
     const int n = count < K ? count : K;
-    if (lane == 31 && n == 32) entry = rec[32];
+    if (lane == 31 && n == 32) entry = moe::load_peer(rec + 32);
     *row = nullptr;
     *weight = 0.f;
     if (lane < n) {
@@ -65,12 +65,9 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
   // 1. expert side: one partial row per (source, token) this member served.
   int total_tokens = 0;
   for (int i = 1; i < W; ++i) total_tokens += a.tokens_from[(me + i) % W];
-  bool signals = false;  // some source waits for a signal, not for lines
-  for (int i = 1; i < W; ++i) signals |= a.tokens_from[(me + i) % W] > a.ll_tokens;
-  moe::LinePoll lines(team, round32);
+  moe::RoundPoll poll(team, round32);
   const int chunks = moe::chunks_per_row(row_vectors, total_tokens, g.warps);
   const unsigned units = static_cast<unsigned>(total_tokens * chunks);
-  bool last = signals && units == 0 && g.warp == 0;
   for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
     // Unit w -> (source s, token t, chunk c), the sources one after the other.
     int t = static_cast<int>(w / static_cast<unsigned>(chunks));
@@ -83,29 +80,27 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     }
     const int4* row = nullptr;
     float weight = 0.f;
-    const unsigned lanes = load_entries(at.meta(me, s, t), s, &row, &weight);
-    if (lanes != 0) {
-      uint64_t first = 0, end = 0;
-      moe::chunk_range(row_vectors, chunks, c, &first, &end);
-      if (a.tokens_from[s] <= a.ll_tokens) {
-        moe::weighted_sum<false, true>(at.line_partial(s, me, t), row, weight, lanes, nullptr, 0u,
-                                       first, end, lane, &lines);
-      } else {
-        moe::weighted_sum(at.partial_row(s, me, t), row, weight, lanes, nullptr, 0u, first, end,
-                          lane);
-      }
+    const unsigned lanes = load_entries(at.meta(me, parity, s, t), s, &row, &weight);
+    if (lanes == 0) continue;
+    uint64_t first = 0, end = 0;
+    moe::chunk_range(row_vectors, chunks, c, &first, &end);
+    if (a.tokens_from[s] <= a.ll_tokens) {
+      moe::weighted_sum<false, true>(at.line_partial(s, me, t), row, weight, lanes, nullptr, 0u,
+                                     first, end, lane, &poll);
+      continue;
     }
-    if (signals && moe::finish_unit(a.units_done, units, lane)) last = true;
-  }
-
-  // 2. the last unit's warp: every row is out; tell every other member.
-  if (last) {
-    for (int d = lane; d < W; d += 32) {
-      if (d != me) device::signal(team, d, a.combine_slot + static_cast<uint32_t>(me), a.round);
+    moe::weighted_sum(at.partial_row(s, me, t), row, weight, lanes, nullptr, 0u, first, end, lane);
+    // The fence orders every lane's stores before the flags of their groups.
+    __syncwarp();
+    device::fence();
+    uint32_t* flags = at.partial_flags(s, me, t);
+    const uint32_t g1 = static_cast<uint32_t>((end + 31) / 32);
+    for (uint32_t group = static_cast<uint32_t>(first / 32 + lane); group < g1; group += 32) {
+      moe::store_flag(flags + group, round32);
     }
   }
 
-  // 3. source side: this member's tokens.
+  // 2. source side: this member's tokens.
   auto* out = static_cast<int4*>(a.out);
   const int out_chunks = moe::chunks_per_row(row_vectors, a.num_tokens, g.warps);
   const unsigned out_units = static_cast<unsigned>(a.num_tokens * out_chunks);
@@ -114,10 +109,10 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
     const int t = static_cast<int>(w / static_cast<unsigned>(out_chunks));
     const int c = static_cast<int>(w % static_cast<unsigned>(out_chunks));
     const unsigned remote = a.remote_members[t];
-    // This member's own rows first: their loads need no signal.
+    // This member's own rows first: their loads need no flag.
     const int4* row = nullptr;
     float weight = 0.f;
-    const unsigned own_lanes = load_entries(at.meta(me, me, t), me, &row, &weight);
+    const unsigned own_lanes = load_entries(at.meta(me, parity, me, t), me, &row, &weight);
     const bool mine = lane < W && lane != me && ((remote >> lane) & 1u) != 0;
     uint64_t first = 0, end = 0;
     moe::chunk_range(row_vectors, out_chunks, c, &first, &end);
@@ -125,15 +120,19 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
       const int4* partial = mine ? at.line_partial(me, lane, t) : nullptr;
       moe::weighted_sum<true, false>(out + static_cast<uint64_t>(t) * row_vectors, row, weight,
                                      own_lanes, partial, __ballot_sync(kFullMask, mine), first, end,
-                                     lane, &lines);
+                                     lane, &poll);
       continue;
     }
-    // Lane d waits for member d; then every lane acquires every such signal
-    // itself, so that its loads of the partial rows see them.
-    if (mine) device::wait(team, a.combine_slot + static_cast<uint32_t>(lane), a.round);
-    __syncwarp();
+    // Every lane waits for the flags of every group of the chunk from every
+    // member the token chose (one load per flag for the warp), and so takes
+    // each acquire itself before loading the partial rows.
+    const uint32_t g1 = static_cast<uint32_t>((end + 31) / 32);
     for (unsigned m = remote; m != 0; m &= m - 1) {
-      (void)device::read_signal(team, a.combine_slot + static_cast<uint32_t>(__ffs(m) - 1));
+      const int d = __ffs(static_cast<int>(m)) - 1;
+      const uint32_t* flags = at.partial_flags(me, d, t);
+      for (uint32_t group = static_cast<uint32_t>(first / 32); group < g1; ++group) {
+        (void)__all_sync(kFullMask, poll.wait_flag(flags + group, d));
+      }
     }
     const int4* partial = mine ? at.partial_row(me, lane, t) : nullptr;
     const unsigned partial_lanes = __ballot_sync(kFullMask, mine);

@@ -51,51 +51,32 @@ __device__ __forceinline__ void chunk_range(uint64_t row_vectors, int chunks, in
 }
 
 // Called by every lane of a warp after one unit of work: true in every lane
-// of the warp that finished the last of `total` units. The count is the grid
-// barrier the kernels do not have: every unit's stores (any lane, to any
-// member) are ordered before the increment (release at system scope), and the
-// last warp orders everything it does next after all of them (acquire), so a
-// signal it sends covers every unit's data. The last warp resets the count.
+// of the warp that finished the last of `total` units. Every unit's atomics
+// on this GPU (the slot counters) are ordered before the increment (release
+// at GPU scope), and the last warp orders what it does next after all of them
+// (acquire), so it can read and reset the counters. It resets the count.
 __device__ __forceinline__ bool finish_unit(unsigned int* done, unsigned int total, int lane) {
   __syncwarp();
   int last = 0;
   if (lane == 0) {
-    device::fence();
+    __threadfence();
     last = atomicAdd(done, 1u) == total - 1 ? 1 : 0;
     if (last) {
-      device::fence();
+      __threadfence();
       atomicExch(done, 0u);
     }
   }
   last = __shfl_sync(kFullMask, last, 0);
   if (last) {
     __syncwarp();
-    device::fence();
+    __threadfence();
   }
   return last != 0;
 }
 
-// Waits (lane 0 spins, acquire at system scope) until this member's `slot` is
-// >= at_least; then every lane loads the slot with an acquire of its own, so
-// that each lane's later loads see the data ordered before the signal.
-// Returns the value (0 after a timeout, which the team's error record holds).
-__device__ __forceinline__ uint64_t warp_wait(const DeviceTeam& team, uint32_t slot,
-                                              uint64_t at_least, int lane) {
-  unsigned long long v = 0;
-  if (lane == 0) {
-    uint64_t seen = 0;
-    v = device::wait(team, slot, at_least, 0, &seen) ? seen : 0;
-  }
-  __syncwarp();
-  v = __shfl_sync(kFullMask, v, 0);
-  if (v != 0) (void)device::read_signal(team, slot);  // this lane's own acquire
-  return v;
-}
-
-// warp_wait without the acquire: lane 0 polls (relaxed, system scope) until
-// this member's `slot` is >= at_least; every lane gets the value (0 after a
-// timeout, which the team's error record holds). For signals that order no
-// data, or before a read_signal of the lanes' own.
+// Lane 0 polls (relaxed, system scope) until this member's `slot` is >=
+// at_least; every lane gets the value (0 after a timeout, which the team's
+// error record holds). No acquire: for signals that order no data.
 __device__ __forceinline__ uint64_t warp_poll(const DeviceTeam& team, uint32_t slot,
                                               uint64_t at_least, int lane) {
   unsigned long long v = 0;
@@ -121,18 +102,20 @@ __device__ __forceinline__ uint64_t warp_poll(const DeviceTeam& team, uint32_t s
   return __shfl_sync(kFullMask, v, 0);
 }
 
-// Data a peer wrote during this kernel (staged rows, meta records, counts,
-// partial rows), read after the acquire of the peer's signal: from L2, never
-// from this SM's L1. The acquire invalidates L1, but another warp of the SM
-// may have a load of a neighbouring value in flight whose fill lands after
-// the invalidation and carries the line as it was before the peer's write;
-// a weak load of ours could then hit that stale line. No row is read twice,
-// so L1 gains nothing here.
+// Data a peer wrote during this kernel (staged rows, meta records, partial
+// rows), read after the acquire of its flag: from L2, never from this SM's
+// L1. The acquire invalidates L1, but another warp of the SM may have a load
+// of a neighbouring value in flight whose fill lands after the invalidation
+// and carries the line as it was before the peer's write; a weak load of ours
+// could then hit that stale line. No row is read twice, so L1 gains nothing.
 __device__ __forceinline__ int4 load_peer(const int4* p) {
   return __ldcg(p);
 }
-__device__ __forceinline__ int load_peer(const int* p) {
-  return __ldcg(p);
+
+// Relaxed store at system scope of a staged group's flag, after the fence that
+// orders the group's data before it.
+__device__ __forceinline__ void store_flag(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // One warp copies vectors [first, end) of the row at `src` to every lane's
@@ -186,17 +169,18 @@ __device__ __forceinline__ void ll_store_vector(int4* line_row, uint64_t i, cons
   ll_store(line_row + 2 * i + 1, static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w), flag);
 }
 
-// Polls line vectors until their flags are this round's. After the team's
-// timeout it records kDeviceErrorLineTimeout naming the sender (the first
-// error wins) and gives up: that poll and every later one of this object
-// return zeros at once, so that a dead or stopped sender costs one timeout,
-// not one per vector.
-struct LinePoll {
+// Polls what a peer writes with this round's flag: line vectors (their flags
+// inline) and the flags of staged groups. After the team's timeout it records
+// an error naming the sender (kDeviceErrorLineTimeout for lines,
+// kDeviceErrorFlagTimeout for staged data; the first error wins) and gives up:
+// that poll and every later one of this object return at once, so that a dead
+// or stopped sender costs one timeout, not one per vector.
+struct RoundPoll {
   const DeviceTeam& team;
   uint32_t flag;
   bool failed = false;
 
-  __device__ LinePoll(const DeviceTeam& t, uint32_t f) : team(t), flag(f) {}
+  __device__ RoundPoll(const DeviceTeam& t, uint32_t f) : team(t), flag(f) {}
 
   // The two data words of line vector `p`, written by member `peer`.
   __device__ __forceinline__ uint2 load(const int4* p, int peer) {
@@ -208,18 +192,35 @@ struct LinePoll {
                    : "l"(p)
                    : "memory");
       if (b == flag && d == flag) return make_uint2(a, c);
-      if ((spins & 255u) == 255u) give_up_after_timeout(start, peer, b != flag ? b : d);
+      if ((spins & 255u) == 255u) {
+        give_up_after_timeout(start, peer, b != flag ? b : d, kDeviceErrorLineTimeout);
+      }
     }
     return make_uint2(0, 0);
   }
 
+  // Waits until the flag at `p`, written by member `peer` after its data, is
+  // this round's (acquire, system scope: the caller's later loads see the
+  // data). False after the timeout.
+  __device__ __forceinline__ bool wait_flag(const uint32_t* p, int peer) {
+    uint64_t start = 0;
+    for (uint32_t spins = 0; !failed; ++spins) {
+      uint32_t v;
+      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+      if (v == flag) return true;
+      if ((spins & 255u) == 255u) give_up_after_timeout(start, peer, v, kDeviceErrorFlagTimeout);
+    }
+    return false;
+  }
+
   // Called every few hundred polls: the first call starts the clock.
-  __device__ __forceinline__ void give_up_after_timeout(uint64_t& start, int peer, uint32_t seen) {
+  __device__ __forceinline__ void give_up_after_timeout(uint64_t& start, int peer, uint32_t seen,
+                                                        uint32_t code) {
     const uint64_t now = device::globaltimer_ns();
     if (start == 0) {
       start = now;
     } else if (now - start > team.timeout_ns) {
-      device::record_error(team, kDeviceErrorLineTimeout, peer, 0, flag, seen, now - start);
+      device::record_error(team, code, peer, 0, flag, seen, now - start);
       failed = true;
     }
   }
@@ -235,7 +236,7 @@ struct LinePoll {
 
 // fan_copy from a line row of one sender: each row vector is polled once and
 // stored to every destination of `dst_lanes` (plain rows).
-__device__ __forceinline__ void ll_fan_copy(LinePoll& poll, const int4* line_row, int peer,
+__device__ __forceinline__ void ll_fan_copy(RoundPoll& poll, const int4* line_row, int peer,
                                             int4* dst, unsigned dst_lanes, uint64_t first,
                                             uint64_t end, int lane) {
   for (uint64_t base = first; base < end; base += 32 * kUnroll) {
@@ -339,7 +340,7 @@ template <bool kLinesIn = false, bool kLineOut = false>
 __device__ __forceinline__ void weighted_sum(int4* dst, const int4* row, float weight,
                                              unsigned weighted_lanes, const int4* plain,
                                              unsigned plain_lanes, uint64_t first, uint64_t end,
-                                             int lane, LinePoll* poll = nullptr) {
+                                             int lane, RoundPoll* poll = nullptr) {
   for (uint64_t base = first; base < end; base += 32 * kUnroll) {
     float acc[kUnroll][8];
 #pragma unroll
@@ -423,14 +424,24 @@ struct Layout {
     const uint64_t row = static_cast<uint64_t>(s) * a->max_tokens + t;
     return reinterpret_cast<int4*>(base(m) + a->stage_offset + row * row_bytes());
   }
-  // header of token t of source s on member m; entries follow it
-  __device__ int4* meta(int m, int s, int t) const {
-    const uint64_t rec = static_cast<uint64_t>(s) * a->max_tokens + t;
+  // header of token t of source s on member m, for rounds of `parity`; entries follow it
+  __device__ int4* meta(int m, int parity, int s, int t) const {
+    const uint64_t rec = (static_cast<uint64_t>(parity) * a->team.size + s) * a->max_tokens +
+                         static_cast<uint64_t>(t);
     return reinterpret_cast<int4*>(base(m) + a->meta_offset) + rec * (1 + a->top_k);
   }
-  __device__ int32_t* counts(int m, int parity, int s) const {
-    const uint64_t at = (static_cast<uint64_t>(parity) * a->team.size + s) * a->experts_per_rank;
-    return reinterpret_cast<int32_t*>(base(m) + a->counts_offset) + at;
+  // groups of 32 row vectors: each carries a flag of its own
+  __device__ int groups() const { return (a->hidden / 8 + 31) / 32; }
+  // flags of token t of source s's groups on member m, for rounds of `parity`
+  __device__ uint32_t* flags(int m, int parity, int s, int t) const {
+    const uint64_t row = (static_cast<uint64_t>(parity) * a->team.size + s) * a->max_tokens +
+                         static_cast<uint64_t>(t);
+    return reinterpret_cast<uint32_t*>(base(m) + a->flags_offset) + row * groups();
+  }
+  // flags of member d's partial row for token t's groups, on member m (the source)
+  __device__ uint32_t* partial_flags(int m, int d, int t) const {
+    const uint64_t row = static_cast<uint64_t>(d) * a->max_tokens + static_cast<uint64_t>(t);
+    return reinterpret_cast<uint32_t*>(base(m) + a->partial_flags_offset) + row * groups();
   }
   // Low-latency line of token t of source s on member m, for rounds of `parity`:
   // 1 + K meta vectors, then the row (2 line vectors per row vector).

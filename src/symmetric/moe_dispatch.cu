@@ -1,31 +1,33 @@
 // MoE dispatch as one kernel: each token crosses NVLink once per member that
 // holds any of its experts, not once per expert.
 //
+//  0. a warp tells every other member how many tokens come (a relaxed store:
+//     it orders no data) and zeroes this member's counts of rows from others.
 //  1. send: warps take (token, chunk of its row). Each (token, k) choice gets
 //     its slot in the expert's receive block from this member's counter for
 //     that expert. The warp loads the chunk once and stores it into
 //       - recv_x of each of this member's own chosen experts (local stores), and
 //       - the stage row (source = me, token) of each other member it chose,
-//     and writes, for each such member, the token's meta record there: a
-//     header {round, n} and n entries {local expert, slot, weight}.
-//  2. count: the warp that finishes the last unit (finish_unit: release /
-//     acquire at system scope, no grid barrier) takes the per-expert counts,
-//     writes each member's into its counts area and signals it (release,
-//     system scope; value round << 32 | this member's tokens).
-//  3. fan out: every warp waits for each other member's signal, then copies
-//     that member's staged rows into this member's experts' recv_x rows as its
-//     meta records say (local HBM, one read per row, one write per expert).
-// Counts and signals come in two sets by round parity: a member can be one
-// dispatch ahead of another (it only waits for the members its tokens chose
-// in combine), never two.
+//     and writes, for each other member, the token's meta record there: a
+//     header {round, n} and n entries {local expert, slot, weight} (n = 0
+//     where the token chose none of its experts). Then a fence and, per other
+//     member, the flag of each group of 32 vectors it sent (group 0 also
+//     covers the meta record).
+//  2. the warp that finishes the last unit (finish_unit) takes this member's
+//     own experts' counts and resets the counters for the next call.
+//  3. fan out: warps take (source, token, chunk); each waits for its groups'
+//     flags (acquire), reads the meta record, copies the staged rows into this
+//     member's experts' recv_x rows (local HBM, one read per row, one write per
+//     expert) and counts them. A group is copied as soon as it lands: no
+//     member waits for another's whole call.
+// Meta records and flags come in two sets by round parity: a member can be
+// one dispatch ahead of another, never two (moe_kernels.h says why).
 //
-// A low-latency call (at most ll_tokens tokens, moe_kernels.h) signals first,
-// with no fence (the value only says how many tokens come, and that they come
-// in lines); its rows and meta records then travel in flagged lines, slots are
-// worked out by prefix counts instead of counters, and no unit waits for
-// another. The receiver polls the lines themselves, counts each expert's rows
-// from their meta records and copies each row to its experts as its vectors
-// arrive.
+// A low-latency call (at most ll_tokens tokens, moe_kernels.h) says so in its
+// signal; its rows and meta records travel in flagged lines, slots are worked
+// out by prefix counts instead of counters, and no unit waits for another.
+// The receiver polls the lines themselves, counts each expert's rows from
+// their meta records and copies each row to its experts as its vectors arrive.
 #include "symmetric/moe_device.cuh"
 
 namespace ferry::symmetric {
@@ -89,33 +91,48 @@ __device__ int prefix_slot(const int64_t* topk_idx, int t, int K, int64_t e, int
 // In the dispatch signal's token field: this call's rows come in lines.
 constexpr uint64_t kLinesFlag = 1ull << 31;
 
-// Step 2, by the warp that finished the last send unit: the lanes take the
-// experts' counts all at once (one round trip, not one per expert) and write
-// each into its member's counts area; after a fence that orders every lane's
-// count stores, lane d signals member d (release, system scope). finish_unit
-// ordered every unit's data before this warp.
-__device__ void send_counts(const MoeKernelArgs& a, const moe::Layout& at, int lane) {
-  const DeviceTeam& team = a.team;
-  const int W = team.size, E = a.experts_per_rank, me = team.rank;
-  const int parity = static_cast<int>(a.round & 1);
+// Step 2, by the warp that finished the last send unit: this member's own
+// experts' counts, and every counter back to zero for the next call.
+// finish_unit ordered every unit's atomics before this warp.
+__device__ void keep_own_counts(const MoeKernelArgs& a, int lane) {
+  const int W = a.team.size, E = a.experts_per_rank, me = a.team.rank;
   for (int e = lane; e < W * E; e += 32) {
     int count = atomicExch(&a.slot_counter[e], 0);
     if (count > a.max_tokens) count = a.max_tokens;  // the overflow was recorded in step 1
-    const int d = e / E, le = e % E;
-    if (d == me) {
-      a.recv_count[le * W + me] = count;
-    } else {
-      at.counts(d, parity, me)[le] = count;
-    }
+    if (e / E == me) a.recv_count[(e % E) * W + me] = count;
+  }
+}
+
+// Step 0, by warp 0: the columns of recv_count that other members' rows fill
+// (by atomics as they land) start at zero; counts_zeroed says so (the round).
+__device__ void zero_received_counts(const MoeKernelArgs& a, int lane) {
+  const int W = a.team.size, E = a.experts_per_rank, me = a.team.rank;
+  for (int i = lane; i < W * E; i += 32) {
+    if (i % W != me) a.recv_count[i] = 0;
   }
   __syncwarp();
-  device::fence();
-  const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens);
-  for (int d = lane; d < W; d += 32) {
-    if (d != me) {
-      device::signal(team, d, a.dispatch_slot + static_cast<uint32_t>(parity * W + me), value);
-    }
+  __threadfence();
+  if (lane == 0) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(a.counts_zeroed),
+                 "r"(static_cast<uint32_t>(a.round))
+                 : "memory");
   }
+}
+
+// Waits (lane 0, acquire at GPU scope) until zero_received_counts has run in
+// this call; every lane's later atomics on recv_count come after it.
+__device__ void wait_counts_zeroed(const MoeKernelArgs& a, int lane) {
+  if (lane == 0) {
+    const uint32_t round32 = static_cast<uint32_t>(a.round);
+    uint32_t v;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"
+                   : "=r"(v)
+                   : "l"(a.counts_zeroed)
+                   : "memory");
+    } while (v != round32);
+  }
+  __syncwarp();
 }
 
 // Lane l's count, for the local experts l0 + l of a window of 32, of the
@@ -127,24 +144,25 @@ __device__ __forceinline__ void count_window(int le, int l0, int E, int lane, in
   }
 }
 
-// Low latency, by one warp: the signal (how many tokens; they come in lines)
-// to every other member, first thing and with no fence (the lines carry their
-// own flags); then this member's own experts' counts from topk_idx, by
-// ballots (no atomics, no wait for any unit). Each receiver counts its rows
-// from the lines it receives.
-__device__ void send_line_signals(const MoeKernelArgs& a, int lane) {
+// Step 0, by one warp: the signal to every other member, first thing and
+// with no fence: it says only how many tokens come and whether in lines (the
+// lines and the staged groups carry their own flags). A relaxed store, not a
+// release: a release at system scope would first wait for this SM's earlier
+// stores. Low latency: then this member's own experts' counts from topk_idx,
+// by ballots (no atomics, no wait for any unit).
+__device__ void send_token_signals(const MoeKernelArgs& a, bool lines, int lane) {
   const DeviceTeam& team = a.team;
   const int W = team.size, E = a.experts_per_rank, K = a.top_k, me = team.rank;
   const int parity = static_cast<int>(a.round & 1);
-  const uint64_t value = (a.round << 32) | static_cast<uint32_t>(a.num_tokens) | kLinesFlag;
-  // A relaxed store, not a release: it orders no data, and a release at system
-  // scope would first wait for this SM's earlier stores.
+  const uint64_t value =
+      (a.round << 32) | static_cast<uint32_t>(a.num_tokens) | (lines ? kLinesFlag : 0);
   for (int d = lane; d < W; d += 32) {
     if (d != me) {
       uint64_t* slot = team.signals[d] + a.dispatch_slot + static_cast<uint32_t>(parity * W + me);
       asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(slot), "l"(value) : "memory");
     }
   }
+  if (!lines) return;
   const int choices = a.num_tokens * K;
   const int64_t first = static_cast<int64_t>(me) * E;
   for (int l0 = 0; l0 < E; l0 += 32) {
@@ -164,9 +182,10 @@ __device__ void send_line_signals(const MoeKernelArgs& a, int lane) {
 // source s sent, counted from its lines -- lane t takes token t's header, then
 // the lanes take the entries of every token at once.
 __device__ void receive_line_counts(const MoeKernelArgs& a, const moe::Layout& at,
-                                    moe::LinePoll& poll, int s, int tokens, int lane) {
+                                    moe::RoundPoll& poll, int s, int tokens, int lane) {
   const int W = a.team.size, E = a.experts_per_rank, K = a.top_k, me = a.team.rank;
   const int parity = static_cast<int>(a.round & 1);
+  wait_counts_zeroed(a, lane);  // its column is written here, after the zeroing
   int n = 0;  // lane t < tokens (<= kLowLatencyTokens < 32): token t's entries here
   if (lane < tokens) n = min(static_cast<int>(poll.load(at.line(me, parity, s, lane), s).x), K);
   const int entries = tokens * K;
@@ -192,7 +211,7 @@ __device__ void receive_line_counts(const MoeKernelArgs& a, const moe::Layout& a
 // the meta record from its line (lane 0 the header, lane 1 + j entry j), kept
 // here as a plain record for combine (chunk 0), and the row's vectors
 // [first, end) copied to each of this member's experts it chose as they arrive.
-__device__ void receive_line(const MoeKernelArgs& a, const moe::Layout& at, moe::LinePoll& poll,
+__device__ void receive_line(const MoeKernelArgs& a, const moe::Layout& at, moe::RoundPoll& poll,
                              int s, int t, int c, int fan_chunks, uint64_t row_vectors, int lane) {
   const int me = a.team.rank, K = a.top_k, E = a.experts_per_rank;
   const int parity = static_cast<int>(a.round & 1);
@@ -208,7 +227,7 @@ __device__ void receive_line(const MoeKernelArgs& a, const moe::Layout& at, moe:
   const int le = static_cast<int>(entry.x & 0xffffu), slot = static_cast<int>(entry.x >> 16);
   if (lane < n && le < E && slot < a.max_tokens) dst = at.recv_row(me, le, s, slot);
   if (c == 0) {
-    int4* rec = at.meta(me, s, t);
+    int4* rec = at.meta(me, parity, s, t);
     if (lane < n) {
       rec[1 + lane] = make_int4(dst != nullptr ? le : -1, slot, static_cast<int>(entry.y), 0);
       if (dst != nullptr) *at.recv_src(me, le, s, slot) = t;
@@ -222,6 +241,54 @@ __device__ void receive_line(const MoeKernelArgs& a, const moe::Layout& at, moe:
   moe::ll_fan_copy(poll, at.line_row(me, parity, s, t), s, dst, dst_lanes, first, end, lane);
 }
 
+// Step 3 for a staged source, token t of source s, vectors of chunk c of
+// fan_chunks (one warp): its group 0's flag (the meta record), the meta
+// record, then the flags of the other groups of the chunk, then the rows to
+// each of this member's experts the token chose, and their count.
+__device__ void receive_staged(const MoeKernelArgs& a, const moe::Layout& at, moe::RoundPoll& poll,
+                               int s, int t, int c, int fan_chunks, uint64_t row_vectors,
+                               int lane) {
+  const int W = a.team.size, E = a.experts_per_rank, K = a.top_k, me = a.team.rank;
+  const int parity = static_cast<int>(a.round & 1);
+  const uint32_t* flags = at.flags(me, parity, s, t);
+  // Every lane polls (one load for the warp) and so takes the acquire itself.
+  if (!__all_sync(kFullMask, poll.wait_flag(flags, s))) return;
+  const int4* rec = at.meta(me, parity, s, t);
+  // The header and the entries in one load (lane 0: header, lane 1 + j: entry j).
+  const int4 mine = lane <= K ? moe::load_peer(rec + lane) : make_int4(0, 0, 0, 0);
+  const int tag = __shfl_sync(kFullMask, mine.x, 0);
+  const int count = __shfl_sync(kFullMask, mine.y, 0);
+  if (static_cast<uint32_t>(tag) != poll.flag) return;  // a flag without its record: not sent
+  int entry_le = __shfl_down_sync(kFullMask, mine.x, 1);
+  int entry_slot = __shfl_down_sync(kFullMask, mine.y, 1);
+  const int n = count < K ? count : K;
+  if (lane == 31 && n == 32) {  // top-32: the last entry is past the lanes
+    const int4 e32 = moe::load_peer(rec + 32);
+    entry_le = e32.x;
+    entry_slot = e32.y;
+  }
+  int4* dst = nullptr;
+  int le = -1, slot = -1;
+  if (lane < n) {
+    le = entry_le;
+    slot = entry_slot;
+    if (le >= 0 && le < E && slot >= 0 && slot < a.max_tokens) dst = at.recv_row(me, le, s, slot);
+  }
+  const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
+  if (dst_lanes == 0) return;  // token t chose none of this member's experts
+  uint64_t first = 0, end = 0;
+  moe::chunk_range(row_vectors, fan_chunks, c, &first, &end);
+  for (uint64_t group = first / 32 > 0 ? first / 32 : 1; group * 32 < end; ++group) {
+    if (!__all_sync(kFullMask, poll.wait_flag(flags + group, s))) return;
+  }
+  moe::fan_copy<false>(at.stage_row(me, s, t), dst, dst_lanes, first, end, lane);
+  if (c == 0) {
+    if (dst != nullptr) *at.recv_src(me, le, s, slot) = t;
+    wait_counts_zeroed(a, lane);
+    if (dst != nullptr) atomicAdd(&a.recv_count[le * W + s], 1);
+  }
+}
+
 __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKernelArgs a) {
   const DeviceTeam& team = a.team;
   const moe::Grid g = moe::grid();
@@ -233,14 +300,17 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   const auto* x = static_cast<const int4*>(a.x);
   const uint32_t round32 = static_cast<uint32_t>(a.round);
 
+  // 0. tell the others how many tokens come; zero the counts they fill.
+  const bool lines = a.num_tokens <= a.ll_tokens;  // low latency
+  const int parity = static_cast<int>(a.round & 1);
+  if (g.warp == g.warps - 1) send_token_signals(a, lines, lane);
+  if (g.warp == 0) zero_received_counts(a, lane);
+
   // 1. send.
   const int chunks = moe::chunks_per_row(row_vectors, a.num_tokens, g.warps);
   const unsigned units = static_cast<unsigned>(a.num_tokens * chunks);
-  const bool lines = a.num_tokens <= a.ll_tokens;  // low latency
-  const int parity = static_cast<int>(a.round & 1);
   const bool by_prefix = lines || (chunks > 1 && a.num_tokens <= kPrefixSlotTokens);
-  bool last = !lines && units == 0 && g.warp == 0;
-  if (lines && g.warp == g.warps - 1) send_line_signals(a, lane);
+  bool last = false;
   for (unsigned w = static_cast<unsigned>(g.warp); w < units; w += static_cast<unsigned>(g.warps)) {
     const int t = static_cast<int>(w) / chunks, c = static_cast<int>(w) % chunks;
     uint64_t first = 0, end = 0;
@@ -291,10 +361,10 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     const unsigned lt = (1u << lane) - 1u;
     const int j = __popc(same & lt);  // this choice's entry among its member's
     const int n = __popc(same);
+    unsigned remote = valid && d != me ? 1u << d : 0u;  // the other members chosen
+    for (int o = 16; o > 0; o >>= 1) remote |= __shfl_xor_sync(kFullMask, remote, o);
     // The meta records first: a receiver of lines reads them before the row.
     if (c == 0) {
-      unsigned remote = valid && d != me ? 1u << d : 0u;
-      for (int o = 16; o > 0; o >>= 1) remote |= __shfl_xor_sync(kFullMask, remote, o);
       if (lane == 0) a.remote_members[t] = remote;
       if (valid && lines && d != me) {
         int4* line = at.line(d, parity, me, t);
@@ -302,14 +372,18 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
                       __float_as_uint(weight), round32);
         if (j == 0) moe::ll_store(line, static_cast<uint32_t>(n), 0u, round32);
       } else if (valid) {
-        int4* rec = at.meta(d, me, t);
+        int4* rec = at.meta(d, parity, me, t);
         rec[1 + j] = make_int4(le, slot, __float_as_int(weight), 0);
         if (j == 0) rec[0] = make_int4(static_cast<int>(round32), n, 0, 0);
         if (d == me) *at.recv_src(me, le, me, slot) = t;
       }
-      // Lines: every other member learns of each token, chosen or not.
-      if (lines && lane < W && lane != me && ((remote >> lane) & 1u) == 0) {
-        moe::ll_store(at.line(lane, parity, me, t), 0u, 0u, round32);
+      // Every other member learns of each token, chosen or not.
+      if (lane < W && lane != me && ((remote >> lane) & 1u) == 0) {
+        if (lines) {
+          moe::ll_store(at.line(lane, parity, me, t), 0u, 0u, round32);
+        } else {
+          at.meta(lane, parity, me, t)[0] = make_int4(static_cast<int>(round32), 0, 0, 0);
+        }
       }
     }
     // Destinations: own experts' rows here; one stage row (or line) per other member.
@@ -331,48 +405,63 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     } else if (dst_lanes != 0) {
       moe::fan_copy<true>(row, dst, dst_lanes, first, end, lane);
     }
-    if (!lines && moe::finish_unit(a.units_done, units, lane)) last = true;
+    if (lines) continue;
+    // Staged: the fence orders every lane's stores above before the flags;
+    // then each other member gets the flags of the groups it was sent (group
+    // 0 alone, for the meta record, where the token chose none of its experts).
+    if (remote != 0 || c == 0) {
+      __syncwarp();
+      device::fence();
+    }
+    const uint32_t g0 = static_cast<uint32_t>(first / 32),
+                   g1 = static_cast<uint32_t>((end + 31) / 32);
+    for (int m = 0; m < W; ++m) {
+      if (m == me) continue;
+      uint32_t from = g0, to = g1;
+      if (((remote >> m) & 1u) == 0) {
+        if (c != 0) continue;
+        from = 0;
+        to = 1;
+      }
+      uint32_t* flags = at.flags(m, parity, me, t);
+      for (uint32_t group = from + static_cast<uint32_t>(lane); group < to; group += 32) {
+        moe::store_flag(flags + group, round32);
+      }
+    }
+    if (moe::finish_unit(a.units_done, units, lane)) last = true;
   }
 
-  // 2. the last unit's warp: counts and signals.
-  if (last) send_counts(a, at, lane);
+  // 2. the last unit's warp: this member's own counts; the counters back to zero.
+  if (last) keep_own_counts(a, lane);
 
-  // 3. fan out every other member's staged rows, the members in turn from
-  // different warps so that every warp has work whatever the counts.
+  // 3. fan out every other member's rows, the members in turn from different
+  // warps so that every warp has work whatever the counts.
   // Only as many warps as the rows this member expects (as many tokens from
-  // each other member as it has itself) take part, so that few warps poll the
-  // signals in small calls; more rows than that are still all copied.
+  // each other member as it has itself) take part, so that few warps poll in
+  // small calls; more rows than that are still all copied.
   const int expected_rows = (a.num_tokens > 0 ? a.num_tokens : 1) * (W > 1 ? W - 1 : 1);
   const int fan_chunks = moe::chunks_per_row(row_vectors, expected_rows, g.warps);
   const int64_t fan_units = static_cast<int64_t>(expected_rows) * fan_chunks;
   const int fan_warps = fan_units < g.warps ? static_cast<int>(fan_units) : g.warps;
-  // Each source's tokens and counts are kept by a warp of their own where the
-  // grid has warps beyond the fan-out's, so that no row waits for them.
+  // Each source's token count (and a low-latency source's counts) is kept by
+  // a warp of its own where the grid has warps beyond the fan-out's, so that
+  // no row waits for it.
   const int spare = g.warps - fan_warps;
   for (int i = 1; i < W; ++i) {
     const int s = (me + i) % W;
     const int keeper = i - 1 < spare ? fan_warps + i - 1 : s % fan_warps;
     const bool fans = g.warp < fan_warps;
     if (!fans && g.warp != keeper) continue;
-    // A relaxed poll: lines need no acquire; staged rows get theirs below.
+    // A relaxed poll: the signal orders no data (lines and groups carry flags).
     const uint32_t slot = a.dispatch_slot + static_cast<uint32_t>(parity * W + s);
     const uint64_t v = moe::warp_poll(team, slot, a.round << 32, lane);
     int tokens = static_cast<int>(v & 0x7fffffffull);
     if (tokens > a.max_tokens) tokens = a.max_tokens;
     const bool from_lines = (v & kLinesFlag) != 0;
     if (from_lines && tokens > a.ll_tokens) tokens = a.ll_tokens;
-    // Every lane's own acquire, so that its loads see the staged rows and counts.
-    if (v != 0 && !from_lines) (void)device::read_signal(team, slot);
-    moe::LinePoll poll(team, round32);
+    moe::RoundPoll poll(team, round32);
     if (g.warp == keeper) {
-      if (from_lines) {
-        receive_line_counts(a, at, poll, s, tokens, lane);
-      } else {
-        for (int l = lane; l < E; l += 32) {
-          const int count = v != 0 ? moe::load_peer(at.counts(me, parity, s) + l) : 0;
-          a.recv_count[l * W + s] = count < a.max_tokens ? count : a.max_tokens;
-        }
-      }
+      if (from_lines) receive_line_counts(a, at, poll, s, tokens, lane);
       if (lane == 0) a.tokens_from[s] = tokens;
     }
     if (!fans) continue;
@@ -384,45 +473,13 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     const unsigned offset = static_cast<unsigned>((static_cast<uint64_t>(i - 1) * stride) /
                                                   static_cast<unsigned>(W - 1));
     const unsigned start = (static_cast<unsigned>(g.warp) + stride - offset) % stride;
-    if (from_lines) {
-      for (unsigned w = start; w < s_units; w += stride) {
-        receive_line(a, at, poll, s, static_cast<int>(w) / fan_chunks,
-                     static_cast<int>(w) % fan_chunks, fan_chunks, row_vectors, lane);
-      }
-      continue;
-    }
     for (unsigned w = start; w < s_units; w += stride) {
       const int t = static_cast<int>(w) / fan_chunks, c = static_cast<int>(w) % fan_chunks;
-      const int4* rec = at.meta(me, s, t);
-      // The header and the entries in one load (lane 0: header, lane 1 + j: entry j).
-      const int4 mine = lane <= K ? moe::load_peer(rec + lane) : make_int4(0, 0, 0, 0);
-      const int tag = __shfl_sync(kFullMask, mine.x, 0);
-      const int count = __shfl_sync(kFullMask, mine.y, 0);
-      if (static_cast<uint32_t>(tag) != round32) continue;  // token t chose none here
-      int entry_le = __shfl_down_sync(kFullMask, mine.x, 1);
-      int entry_slot = __shfl_down_sync(kFullMask, mine.y, 1);
-      const int n = count < K ? count : K;
-      if (lane == 31 && n == 32) {  // top-32: the last entry is past the lanes
-        const int4 e32 = moe::load_peer(rec + 32);
-        entry_le = e32.x;
-        entry_slot = e32.y;
+      if (from_lines) {
+        receive_line(a, at, poll, s, t, c, fan_chunks, row_vectors, lane);
+      } else {
+        receive_staged(a, at, poll, s, t, c, fan_chunks, row_vectors, lane);
       }
-      int4* dst = nullptr;
-      int le = -1, slot = -1;
-      if (lane < n) {
-        le = entry_le;
-        slot = entry_slot;
-        if (le >= 0 && le < E && slot >= 0 && slot < a.max_tokens) {
-          dst = at.recv_row(me, le, s, slot);
-        }
-      }
-      const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
-      if (dst_lanes == 0) continue;
-      uint64_t first = 0, end = 0;
-      moe::chunk_range(row_vectors, fan_chunks, c, &first, &end);
-      // From L2 (load_peer): the peer wrote these rows during this kernel.
-      moe::fan_copy<false>(at.stage_row(me, s, t), dst, dst_lanes, first, end, lane);
-      if (c == 0 && dst != nullptr) *at.recv_src(me, le, s, slot) = t;
     }
   }
 }

@@ -65,15 +65,17 @@ Result<MoeLayout> moe_layout(const MoeConfig& c, int members) {
   l.recv_src_offset = align_up(E * W * T * H * 2, 256);
   l.stage_offset = align_up(l.recv_src_offset + E * W * T * 4, 256);
   l.meta_offset = align_up(l.stage_offset + W * T * H * 2, 256);
-  l.counts_offset = align_up(l.meta_offset + W * T * (1 + K) * 16, 256);
-  l.partial_offset = align_up(l.counts_offset + 2 * W * E * 4, 256);
+  const uint64_t G = (H / 8 + 31) / 32;  // flagged groups of 32 row vectors
+  l.flags_offset = align_up(l.meta_offset + 2 * W * T * (1 + K) * 16, 256);
+  l.partial_offset = align_up(l.flags_offset + 2 * W * T * G * 4, 256);
+  l.partial_flags_offset = align_up(l.partial_offset + W * T * H * 2, 256);
   const uint64_t L = std::min<uint64_t>(T, symmetric::kLowLatencyTokens);
   const uint64_t ll_line = (1 + K + 2 * (H / 8)) * 16;  // meta, then the row
   l.ll_tokens = static_cast<int>(L);
-  l.ll_offset = align_up(l.partial_offset + W * T * H * 2, 256);
+  l.ll_offset = align_up(l.partial_flags_offset + W * T * G * 4, 256);
   l.ll_partial_offset = align_up(l.ll_offset + 2 * W * L * ll_line, 256);
   l.data_bytes = l.ll_partial_offset + W * L * 2 * (H / 8) * 16;
-  l.signal_slots = static_cast<uint32_t>(3 * W);
+  l.signal_slots = static_cast<uint32_t>(2 * W);
   return l;
 }
 
@@ -89,6 +91,7 @@ struct MoeExchange::Impl {
   int32_t* tokens_from = nullptr;
   uint32_t* remote_members = nullptr;
   unsigned int* units_done = nullptr;
+  uint32_t* counts_zeroed = nullptr;
   uint64_t dispatch_round = 0;
   uint64_t combine_round = 0;
   int dispatched_tokens = 0;
@@ -113,19 +116,20 @@ struct MoeExchange::Impl {
     a.recv_src_offset = layout.recv_src_offset;
     a.stage_offset = layout.stage_offset;
     a.meta_offset = layout.meta_offset;
-    a.counts_offset = layout.counts_offset;
+    a.flags_offset = layout.flags_offset;
     a.partial_offset = layout.partial_offset;
+    a.partial_flags_offset = layout.partial_flags_offset;
     a.ll_offset = layout.ll_offset;
     a.ll_partial_offset = layout.ll_partial_offset;
     a.ll_tokens = layout.ll_tokens;
     a.dispatch_slot = 0;
-    a.combine_slot = static_cast<uint32_t>(2 * memory->size());
     a.slot_counter = slot_counter;
     a.slot_of = slot_of;
     a.recv_count = recv_count;
     a.tokens_from = tokens_from;
     a.remote_members = remote_members;
     a.units_done = units_done;
+    a.counts_zeroed = counts_zeroed;
     return a;
   }
 
@@ -169,7 +173,7 @@ Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory& memory
     return cuda_status(e, "moe: cudaDeviceGetAttribute(multiprocessor count)");
   }
   impl->blocks = config.sm_count == 0 ? sms : std::min(config.sm_count, sms);
-  // Workspace: a count word, then 8-byte words, then 4-byte words.
+  // Workspace: the unit count and counts_zeroed, then 8-byte words, then 4-byte words.
   const uint64_t W = static_cast<uint64_t>(memory.size());
   const uint64_t experts = W * config.experts_per_rank;
   const uint64_t slot_of = static_cast<uint64_t>(config.max_tokens) * config.top_k;
@@ -185,6 +189,7 @@ Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory& memory
   }
   auto* base = static_cast<uint8_t*>(impl->workspace);
   impl->units_done = reinterpret_cast<unsigned int*>(base);
+  impl->counts_zeroed = reinterpret_cast<uint32_t*>(base + 4);
   impl->slot_of = reinterpret_cast<unsigned long long*>(base + 16);
   impl->slot_counter = reinterpret_cast<int32_t*>(impl->slot_of + slot_of);
   impl->recv_count = impl->slot_counter + experts;

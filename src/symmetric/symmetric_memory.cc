@@ -454,6 +454,11 @@ Status SymmetricMemory::device_error() const {
           "symmetric: member {} waited {} ns for member {}'s low-latency data of round {}; its "
           "flag stayed at {} (block {}, thread {})",
           e.rank, e.waited_ns, e.peer, e.expected, e.observed, e.block, e.thread));
+    case kDeviceErrorFlagTimeout:
+      return err::Timeout(fmt::format(
+          "symmetric: member {} waited {} ns for member {}'s staged data of round {}; its flag "
+          "stayed at {} (block {}, thread {})",
+          e.rank, e.waited_ns, e.peer, e.expected, e.observed, e.block, e.thread));
     default:
       return err::Internal(fmt::format("symmetric: unknown device error code {}", code));
   }

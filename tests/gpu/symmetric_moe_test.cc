@@ -400,52 +400,60 @@ TEST(SymmetricMoe, BadConfigurationsAndCallsAreRefused) {
   });
 }
 
-// A low-latency combine polls its peers' lines with no signal to wait for: a
-// member that never sends them costs one timeout, which names it, and the
-// GPU is not left spinning.
-TEST(SymmetricMoe, ALowLatencyCombineWithoutItsPeerTimesOutNamingIt) {
+// A combine polls its peers' lines (low latency) or the flags of their
+// partial rows (staged) with no signal to wait for: a member that never sends
+// them costs one timeout, which names it, and the GPU is not left spinning.
+std::string combine_without_its_peer(Member& m, int tokens, const std::string& expected) {
+  Check c;
+  ferry::MoeConfig cfg;
+  cfg.max_tokens = 16;
+  cfg.hidden = 64;
+  cfg.top_k = 2;
+  cfg.experts_per_rank = 2;
+  auto layout = ferry::moe_layout(cfg, m.size());
+  if (!layout.ok()) return "moe_layout: " + layout.status().message();
+  ferry::SymmetricOptions o;
+  o.data_bytes = layout->data_bytes;
+  o.signal_slots = layout->signal_slots;
+  o.wait_timeout_ns = 300'000'000;  // 0.3 s
+  auto mem = symtest::make_group(m, o, c);
+  if (!c.ok()) return c.report();
+  auto made = ferry::MoeExchange::create(*mem, cfg);
+  if (!made.ok()) return "MoeExchange::create: " + made.status().message();
+  auto& moe = *made;
+  // Member 0's tokens go to member 1's experts only.
+  const Inputs in = make_inputs(7, m.rank(), tokens, cfg, m.size(),
+                                m.rank() == 0 ? Routing::kOtherMember : Routing::kRandom);
+  auto as_bytes = [](const auto& v) {
+    std::vector<uint8_t> b(v.size() * sizeof(v[0]));
+    std::memcpy(b.data(), v.data(), b.size());
+    return b;
+  };
+  symtest::DeviceBuffer x(as_bytes(in.x)), topk(as_bytes(in.topk)), w(as_bytes(in.weights)),
+      y(static_cast<size_t>(cfg.experts_per_rank) * m.size() * cfg.max_tokens * cfg.hidden * 2),
+      out(static_cast<size_t>(tokens) * cfg.hidden * 2);
+  c.status(moe->dispatch(x.get(), reinterpret_cast<const int64_t*>(topk.get()),
+                         reinterpret_cast<const float*>(w.get()), tokens, nullptr),
+           "dispatch");
+  c.cuda(cudaDeviceSynchronize(), "dispatch ran");
+  c.status(mem->device_error(), "device_error after dispatch");
+  m.barrier();
+  if (m.rank() == 0) {  // the others never combine
+    c.status(moe->combine(y.get(), out.get(), nullptr), "combine");
+    c.cuda(cudaDeviceSynchronize(), "combine returned after its timeout");
+    c.error_has(mem->device_error(), ferry::StatusCode::kTimeout, expected);
+  }
+  m.barrier();
+  return c.report();
+}
+
+TEST(SymmetricMoe, ACombineWithoutItsPeerTimesOutNamingIt) {
   RUN_MEMBERS([&](Member& m) -> std::string {
-    Check c;
-    ferry::MoeConfig cfg;
-    cfg.max_tokens = 8;
-    cfg.hidden = 64;
-    cfg.top_k = 2;
-    cfg.experts_per_rank = 2;
-    auto layout = ferry::moe_layout(cfg, m.size());
-    if (!layout.ok()) return "moe_layout: " + layout.status().message();
-    ferry::SymmetricOptions o;
-    o.data_bytes = layout->data_bytes;
-    o.signal_slots = layout->signal_slots;
-    o.wait_timeout_ns = 300'000'000;  // 0.3 s
-    auto mem = symtest::make_group(m, o, c);
-    if (!c.ok()) return c.report();
-    auto made = ferry::MoeExchange::create(*mem, cfg);
-    if (!made.ok()) return "MoeExchange::create: " + made.status().message();
-    auto& moe = *made;
-    // Member 0's one token goes to member 1's experts only.
-    const Inputs in = make_inputs(7, m.rank(), 1, cfg, m.size(),
-                                  m.rank() == 0 ? Routing::kOtherMember : Routing::kRandom);
-    auto as_bytes = [](const auto& v) {
-      std::vector<uint8_t> b(v.size() * sizeof(v[0]));
-      std::memcpy(b.data(), v.data(), b.size());
-      return b;
-    };
-    symtest::DeviceBuffer x(as_bytes(in.x)), topk(as_bytes(in.topk)), w(as_bytes(in.weights)),
-        y(static_cast<size_t>(cfg.experts_per_rank) * m.size() * cfg.max_tokens * cfg.hidden * 2),
-        out(static_cast<size_t>(cfg.hidden) * 2);
-    c.status(moe->dispatch(x.get(), reinterpret_cast<const int64_t*>(topk.get()),
-                           reinterpret_cast<const float*>(w.get()), 1, nullptr),
-             "dispatch");
-    c.cuda(cudaDeviceSynchronize(), "dispatch ran");
-    c.status(mem->device_error(), "device_error after dispatch");
-    m.barrier();
-    if (m.rank() == 0) {  // the others never combine
-      c.status(moe->combine(y.get(), out.get(), nullptr), "combine");
-      c.cuda(cudaDeviceSynchronize(), "combine returned after its timeout");
-      c.error_has(mem->device_error(), ferry::StatusCode::kTimeout, "member 1's low-latency data");
-    }
-    m.barrier();
-    return c.report();
+    std::string r = combine_without_its_peer(m, 1, "member 1's low-latency data of round 1");
+    if (!r.empty()) return "1 token (lines): " + r;
+    r = combine_without_its_peer(m, 12, "member 1's staged data of round 1");
+    if (!r.empty()) return "12 tokens (staged): " + r;
+    return "";
   });
 }
 
