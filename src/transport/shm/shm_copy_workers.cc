@@ -165,11 +165,32 @@ bool initiator_gone(const Connection& c) {
   if (::poll(p, n, 0) <= 0) return false;
   return (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0 || (n == 2 && p[1].revents != 0);
 }
-bool initiator_still_there(const Connection& c) {
+// A pull (the bytes of a WRITE, read out of the initiator's memory) within
+// kSeenRecently of a look that found the initiator there skips its own look:
+// back-to-back small writes then pay one system call each (the copy), not
+// two. A pull never changes the initiator's memory, so a stale answer can
+// only put bytes the initiator stopped caring about into the target's own
+// region (that write was given up, its bytes are undefined anyway); and the
+// initiator's pid cannot be reused within it (pids are handed out in
+// cycles of /proc/sys/kernel/pid_max). A push (a READ's bytes, written into
+// the initiator's memory) always looks first.
+constexpr auto kSeenRecently = std::chrono::microseconds(100);
+bool initiator_still_there(Connection& c, Direction direction) {
   for (;;) {
     const auto asked = std::chrono::steady_clock::now();
-    if (c.dead.load() || initiator_gone(c)) return false;
-    if (std::chrono::steady_clock::now() - asked < kFreshCheck) return true;
+    if (c.dead.load()) return false;
+    const int64_t ticks = asked.time_since_epoch().count();
+    if (direction == Direction::kPull &&
+        ticks - c.initiator_seen.load(std::memory_order_relaxed) <
+            std::chrono::duration_cast<std::chrono::steady_clock::duration>(kSeenRecently)
+                .count()) {
+      return true;
+    }
+    if (initiator_gone(c)) return false;
+    if (std::chrono::steady_clock::now() - asked < kFreshCheck) {
+      c.initiator_seen.store(ticks, std::memory_order_relaxed);
+      return true;
+    }
   }
 }
 }  // namespace
@@ -251,7 +272,7 @@ std::optional<Status> ShmTransport::execute(Connection& c, Request& request) {
     uint64_t moved = 0;
     const Direction direction = request.op == Op::kWriteReq ? Direction::kPull : Direction::kPush;
     if (Status s = cma_copy(c.pid, direction, pieces, &failed, &moved,
-                            [&c] { return initiator_still_there(c); });
+                            [&c, direction] { return initiator_still_there(c, direction); });
         !s.ok()) {
       if (s.code() == StatusCode::kCancelled) {  // the initiator gave up on us meanwhile
         spdlog::debug("ferry shm: {}: dropping {} {}: {}", describe(c), op_name(request.op),

@@ -152,6 +152,10 @@ struct Connection : std::enable_shared_from_this<Connection> {
   // Our probe value; its address travels in the handshake, so it lives as
   // long as the connection.
   uint64_t probe_value = 0;
+  // steady_clock ticks when a look at the socket and the pidfd last found the
+  // peer there (shm_copy_workers.cc, initiator_still_there): a pull (a WRITE's
+  // bytes) shortly after it needs no look of its own.
+  std::atomic<int64_t> initiator_seen{0};
   std::atomic<bool> dead{false};  // set once, under mu, by fail_connection
 
   // How bytes move, fixed by the handshake before the connection is used.
