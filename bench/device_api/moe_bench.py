@@ -128,6 +128,13 @@ def worker(rank, world, port, args, queue):
             dist.barrier()
             dist.destroy_process_group()
             return
+        if args.sm_sweep:
+            table = sm_sweep_runs(rank, world, dev, args.iters, moe.memory.barrier)
+            if rank == 0:
+                queue.put(("ok", ("sm_sweep", table)))
+            dist.barrier()
+            dist.destroy_process_group()
+            return
         rows = {}
         for t in SIZES:
             x = torch.randn((t, HIDDEN), generator=gen, device=dev).to(torch.bfloat16)
@@ -202,6 +209,38 @@ def breakdown_runs(moe, world, dev, iters):
     return out
 
 
+SWEEP_SMS = [0, 96, 64, 48, 32]  # 0: every SM (the default)
+SWEEP_SIZES = [128, 512]
+
+
+def sm_sweep_runs(rank, world, dev, iters, gpu_barrier):
+    """Dispatch and combine p50 (gpu barrier timing) per MoeConfig.sm_count, for
+    the mid sizes: how many SMs a call of that size is best given."""
+    from ferry.symmetric import MoeExchange
+
+    experts = world * EXPERTS_PER_RANK
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(4321 + rank)
+    table = []
+    for sms in SWEEP_SMS:
+        moe = MoeExchange(max_tokens=max(SWEEP_SIZES), hidden=HIDDEN, top_k=TOP_K,
+                          experts_per_rank=EXPERTS_PER_RANK, rank=rank, size=world, sm_count=sms)
+        for t in SWEEP_SIZES:
+            x = torch.randn((t, HIDDEN), generator=gen, device=dev).to(torch.bfloat16)
+            scores = torch.rand((t, experts), generator=gen, device=dev)
+            topk = scores.argsort(dim=1)[:, :TOP_K].contiguous().to(torch.int64)
+            w = torch.rand((t, TOP_K), generator=gen, device=dev)
+            out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
+            calls = [lambda: moe.dispatch(x, topk, w), lambda: moe.combine(moe.recv_x, out=out)]
+            d, c = gpu_barrier_timed(calls, iters, gpu_barrier)
+            moe.memory.check_device_error()
+            table.append((sms, t, statistics.median(d), statistics.median(c)))
+        del moe
+        torch.cuda.synchronize()
+        dist.barrier()
+    return table
+
+
 def symm_mem_runs(rank, world, dev, iters, rows, gpu_barrier):
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -236,6 +275,8 @@ def main():
     ap.add_argument("--world", type=int, default=2, help="GPUs (one process each), 2..8")
     ap.add_argument("--breakdown", action="store_true",
                     help="only the parts of a one-token call (breakdown_runs), not the sizes")
+    ap.add_argument("--sm-sweep", action="store_true",
+                    help="only dispatch/combine of 128 and 512 tokens per sm_count (sm_sweep_runs)")
     args = ap.parse_args()
     world = args.world
     if torch.cuda.device_count() < world:
@@ -256,6 +297,13 @@ def main():
     gpu = torch.cuda.get_device_name(0)
     if args.breakdown:
         return print_breakdown(payload[1], gpu, world, args)
+    if args.sm_sweep:
+        print(f"\n{gpu} x {world}; sm_count sweep, gpu barrier timing, p50 us of {args.iters} calls "
+              "(sm_count 0: every SM)")
+        print(f"{'sm_count':>8} {'tokens':>6} {'dispatch':>9} {'combine':>9}")
+        for sms, t, d, c in payload[1]:
+            print(f"{sms:8d} {t:6d} {d:9.1f} {c:9.1f}")
+        return 0
     rows, note = payload
     med = lambda r, k: statistics.median(r[k]) if r.get(k) else float("nan")
     cell = lambda r, k: (f"{med(r, k):8.1f} ({pct(r[k], 0.99):6.1f})" if r.get(k)
