@@ -225,12 +225,75 @@ struct RoundPoll {
     }
   }
 
-  // Row vector i of a line row written by member `peer`.
+  // Row vector i of a line row written by member `peer`: both of its line
+  // vectors are loaded in each poll, so that one that is there costs one
+  // round trip, not two.
   __device__ __forceinline__ int4 load_vector(const int4* line_row, uint64_t i, int peer) {
-    const uint2 lo = load(line_row + 2 * i, peer);
-    const uint2 hi = load(line_row + 2 * i + 1, peer);
-    return make_int4(static_cast<int>(lo.x), static_cast<int>(lo.y), static_cast<int>(hi.x),
-                     static_cast<int>(hi.y));
+    const int4* p = line_row + 2 * i;
+    uint64_t start = 0;
+    for (uint32_t spins = 0; !failed; ++spins) {
+      uint32_t a, b, c, d, e, f, g, h;
+      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                   : "l"(p)
+                   : "memory");
+      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(e), "=r"(f), "=r"(g), "=r"(h)
+                   : "l"(p + 1)
+                   : "memory");
+      if (b == flag && d == flag && f == flag && h == flag) {
+        return make_int4(static_cast<int>(a), static_cast<int>(c), static_cast<int>(e),
+                         static_cast<int>(g));
+      }
+      if ((spins & 255u) == 255u) {
+        const uint32_t seen = b != flag ? b : (d != flag ? d : (f != flag ? f : h));
+        give_up_after_timeout(start, peer, seen, kDeviceErrorLineTimeout);
+      }
+    }
+    return make_int4(0, 0, 0, 0);
+  }
+
+  // A line's meta record, written by member `peer`, by the whole warp: the
+  // header (lane 0) and every entry (lane j < K: entry j) are loaded in each
+  // poll, so that a record that is there costs one round trip, not two.
+  // Returns the header's count n (0 after a timeout); lane j < n gets entry j.
+  __device__ __forceinline__ int load_record(const int4* line, int K, int peer, int lane,
+                                             uint2* entry) {
+    uint64_t start = 0;
+    for (uint32_t spins = 0; !failed; ++spins) {
+      uint32_t ha = 0, hb = 0, hd = 0, ea = 0, eb = 0, ec = 0, ed = 0;
+      if (lane == 0) {  // the header's other data word is unused
+        asm volatile("{ .reg .u32 unused; ld.volatile.global.v4.u32 {%0, %1, unused, %2}, [%3]; }"
+                     : "=r"(ha), "=r"(hb), "=r"(hd)
+                     : "l"(line)
+                     : "memory");
+      }
+      if (lane < K) {
+        asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(ea), "=r"(eb), "=r"(ec), "=r"(ed)
+                     : "l"(line + 1 + lane)
+                     : "memory");
+      }
+      const bool head = __shfl_sync(kFullMask, hb == flag && hd == flag, 0);
+      const unsigned entries = __ballot_sync(kFullMask, lane < K && eb == flag && ed == flag);
+      if (head) {
+        const int n = min(static_cast<int>(__shfl_sync(kFullMask, ha, 0)), K);
+        const unsigned need = n >= 32 ? kFullMask : (1u << n) - 1u;
+        if ((entries & need) == need) {
+          *entry = make_uint2(ea, ec);
+          return n;
+        }
+      }
+      if ((spins & 255u) == 255u) {
+        int gave_up = 0;
+        if (lane == 0) {
+          give_up_after_timeout(start, peer, hb != flag ? hb : eb, kDeviceErrorLineTimeout);
+          gave_up = failed ? 1 : 0;
+        }
+        failed = __shfl_sync(kFullMask, gave_up, 0) != 0;
+      }
+    }
+    return 0;
   }
 };
 

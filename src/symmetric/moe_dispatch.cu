@@ -103,8 +103,9 @@ __device__ void keep_own_counts(const MoeKernelArgs& a, int lane) {
   }
 }
 
-// Step 0, by warp 0: the columns of recv_count that other members' rows fill
-// (by atomics as they land) start at zero; counts_zeroed says so (the round).
+// Step 0, by the signalling warp: the columns of recv_count that other
+// members' rows fill (by atomics as they land) start at zero; counts_zeroed
+// says so (the round).
 __device__ void zero_received_counts(const MoeKernelArgs& a, int lane) {
   const int W = a.team.size, E = a.experts_per_rank, me = a.team.rank;
   for (int i = lane; i < W * E; i += 32) {
@@ -148,11 +149,10 @@ __device__ __forceinline__ void count_window(int le, int l0, int E, int lane, in
 // with no fence: it says only how many tokens come and whether in lines (the
 // lines and the staged groups carry their own flags). A relaxed store, not a
 // release: a release at system scope would first wait for this SM's earlier
-// stores. Low latency: then this member's own experts' counts from topk_idx,
-// by ballots (no atomics, no wait for any unit).
+// stores.
 __device__ void send_token_signals(const MoeKernelArgs& a, bool lines, int lane) {
   const DeviceTeam& team = a.team;
-  const int W = team.size, E = a.experts_per_rank, K = a.top_k, me = team.rank;
+  const int W = team.size, me = team.rank;
   const int parity = static_cast<int>(a.round & 1);
   const uint64_t value =
       (a.round << 32) | static_cast<uint32_t>(a.num_tokens) | (lines ? kLinesFlag : 0);
@@ -162,7 +162,12 @@ __device__ void send_token_signals(const MoeKernelArgs& a, bool lines, int lane)
       asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(slot), "l"(value) : "memory");
     }
   }
-  if (!lines) return;
+}
+
+// Low latency, by the same warp: this member's own experts' counts from
+// topk_idx, by ballots (no atomics, no wait for any unit).
+__device__ void count_own_rows(const MoeKernelArgs& a, int lane) {
+  const int W = a.team.size, E = a.experts_per_rank, K = a.top_k, me = a.team.rank;
   const int choices = a.num_tokens * K;
   const int64_t first = static_cast<int64_t>(me) * E;
   for (int l0 = 0; l0 < E; l0 += 32) {
@@ -216,13 +221,11 @@ __device__ void receive_line(const MoeKernelArgs& a, const moe::Layout& at, moe:
   const int me = a.team.rank, K = a.top_k, E = a.experts_per_rank;
   const int parity = static_cast<int>(a.round & 1);
   const int4* line = at.line(me, parity, s, t);
-  uint2 head = make_uint2(0, 0);
-  if (lane == 0) head = poll.load(line, s);
-  const int n = min(static_cast<int>(__shfl_sync(kFullMask, head.x, 0)), K);
-  if (n == 0) return;  // token t chose none of this member's experts
   // Entry j: {le | slot << 16, weight}; lane 31 also takes entry 31 of a top-32.
   uint2 entry = make_uint2(0xffffffffu, 0);
-  if (lane < n) entry = poll.load(line + 1 + lane, s);
+  const int n = poll.load_record(line, K, s, lane, &entry);
+  if (n == 0) return;  // token t chose none of this member's experts
+  if (lane >= n) entry = make_uint2(0xffffffffu, 0);
   int4* dst = nullptr;
   const int le = static_cast<int>(entry.x & 0xffffu), slot = static_cast<int>(entry.x >> 16);
   if (lane < n && le < E && slot < a.max_tokens) dst = at.recv_row(me, le, s, slot);
@@ -303,8 +306,13 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   // 0. tell the others how many tokens come; zero the counts they fill.
   const bool lines = a.num_tokens <= a.ll_tokens;  // low latency
   const int parity = static_cast<int>(a.round & 1);
-  if (g.warp == g.warps - 1) send_token_signals(a, lines, lane);
-  if (g.warp == 0) zero_received_counts(a, lane);
+  // The last warp: the send units start at warp 0, and a 1-token call's are
+  // the first few warps, whose meta records should leave first.
+  if (g.warp == g.warps - 1) {
+    send_token_signals(a, lines, lane);
+    zero_received_counts(a, lane);
+    if (lines) count_own_rows(a, lane);
+  }
 
   // 1. send.
   const int chunks = moe::chunks_per_row(row_vectors, a.num_tokens, g.warps);
