@@ -185,7 +185,7 @@ def breakdown_runs(moe, world, dev, iters):
         w = torch.rand((t, TOP_K), generator=gen, device=dev)
         return x, topk.contiguous().to(torch.int64), w, torch.empty_like(x)
 
-    (x0, k0, w0, o0), (x1, k1, w1, o1) = inputs(0), inputs(1)
+    (x0, k0, w0, o0), (x1, k1, w1, o1), (x8, k8, w8, o8) = inputs(0), inputs(1), inputs(8)
     one = torch.zeros(1, device=dev)
     tiny_in = torch.ones(world, dtype=torch.bfloat16, device=dev)
     tiny_out = torch.empty_like(tiny_in)
@@ -198,6 +198,8 @@ def breakdown_runs(moe, world, dev, iters):
          [lambda: moe.dispatch(x0, k0, w0), lambda: moe.combine(moe.recv_x, out=o0)]),
         (["dispatch, 1 token", "combine, 1 token"],
          [lambda: moe.dispatch(x1, k1, w1), lambda: moe.combine(moe.recv_x, out=o1)]),
+        (["dispatch, 8 tokens (the low-latency bound)", "combine, 8 tokens"],
+         [lambda: moe.dispatch(x8, k8, w8), lambda: moe.combine(moe.recv_x, out=o8)]),
         (["NCCL a2a, 2 B per GPU"], [lambda: dist.all_to_all_single(tiny_out, tiny_in)]),
         (["NCCL a2a, 1 token"], [lambda: dist.all_to_all_single(tok_out, tok_in)]),
     ]
@@ -344,11 +346,11 @@ def main():
 def print_breakdown(parts, gpu, world, args):
     print(f"\n{gpu} x {world}; where a one-token call goes (hidden {HIDDEN}, top-{TOP_K}, "
           f"{EXPERTS_PER_RANK} experts per GPU); gpu barrier timing, us of {args.iters} calls")
-    print(f"{'part':<28} {'p50':>8} {'p99':>8}")
+    print(f"{'part':<44} {'p50':>8} {'p99':>8}")
     lines = []
     for name, times in parts.items():
         p50 = statistics.median(times)
-        print(f"{name:<28} {p50:8.1f} {pct(times, 0.99):8.1f}")
+        print(f"{name:<44} {p50:8.1f} {pct(times, 0.99):8.1f}")
         lines.append({"bench": "moe_breakdown", "gpu": gpu, "world": world, "part": name,
                       "p50_us": p50, "p99_us": pct(times, 0.99), "iters": args.iters,
                       "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})

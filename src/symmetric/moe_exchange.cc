@@ -3,6 +3,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <string_view>
 #include <utility>
 
 #include "cuda/cuda_util.h"
@@ -17,6 +20,21 @@ using cuda::cuda_status;
 
 uint64_t align_up(uint64_t v, uint64_t a) {
   return (v + a - 1) / a * a;
+}
+
+// FERRY_MOE_LL_BLOCKS (diagnostic, docs/device_api.md): the blocks a
+// low-latency call launches, 1..1024, instead of kLowLatencyBlocks.
+Result<int> low_latency_blocks() {
+  const char* v = std::getenv("FERRY_MOE_LL_BLOCKS");
+  if (v == nullptr || *v == 0) return symmetric::kLowLatencyBlocks;
+  const std::string_view text(v);
+  int n = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+  if (ec != std::errc() || end != text.data() + text.size() || n < 1 || n > 1024) {
+    return err::InvalidArgument(fmt::format(
+        "moe: FERRY_MOE_LL_BLOCKS is '{}', must be a number of blocks in [1, 1024]", text));
+  }
+  return n;
 }
 
 Status check_config(const MoeConfig& c, int members) {
@@ -84,6 +102,7 @@ struct MoeExchange::Impl {
   MoeConfig config;
   MoeLayout layout;
   int blocks = 0;
+  int ll_blocks = symmetric::kLowLatencyBlocks;
   void* workspace = nullptr;
   int32_t* slot_counter = nullptr;
   unsigned long long* slot_of = nullptr;
@@ -135,7 +154,7 @@ struct MoeExchange::Impl {
 
   // A low-latency call (few tokens) starts and ends fewer blocks.
   int blocks_for(int num_tokens) const {
-    return num_tokens <= layout.ll_tokens ? std::min(blocks, symmetric::kLowLatencyBlocks) : blocks;
+    return num_tokens <= layout.ll_tokens ? std::min(blocks, ll_blocks) : blocks;
   }
 
   Status check_tokens(int num_tokens) const {
@@ -173,6 +192,9 @@ Result<std::unique_ptr<MoeExchange>> MoeExchange::create(SymmetricMemory& memory
     return cuda_status(e, "moe: cudaDeviceGetAttribute(multiprocessor count)");
   }
   impl->blocks = config.sm_count == 0 ? sms : std::min(config.sm_count, sms);
+  auto ll_blocks = low_latency_blocks();
+  if (!ll_blocks.ok()) return ll_blocks.status();
+  impl->ll_blocks = *ll_blocks;
   // Workspace: the unit count and counts_zeroed, then 8-byte words, then 4-byte words.
   const uint64_t W = static_cast<uint64_t>(memory.size());
   const uint64_t experts = W * config.experts_per_rank;

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <random>
@@ -375,6 +376,14 @@ TEST(SymmetricMoe, BadConfigurationsAndCallsAreRefused) {
     if (!c.ok()) return c.report();
     c.error_has(ferry::MoeExchange::create(*mem, ok).status(), ferry::StatusCode::kInvalidArgument,
                 "this configuration needs");
+    // A malformed diagnostic knob is an error naming it, never ignored.
+    o.data_bytes = layout->data_bytes;
+    auto knob = symtest::make_group(m, o, c);
+    if (!c.ok()) return c.report();
+    ::setenv("FERRY_MOE_LL_BLOCKS", "0", 1);
+    c.error_has(ferry::MoeExchange::create(*knob, ok).status(), ferry::StatusCode::kInvalidArgument,
+                "FERRY_MOE_LL_BLOCKS is '0'");
+    ::unsetenv("FERRY_MOE_LL_BLOCKS");
     // Calls out of turn are refused before anything runs; the group goes on.
     o.data_bytes = layout->data_bytes;
     auto good = symtest::make_group(m, o, c);
