@@ -181,8 +181,10 @@ class MoeExchange:
     A call of at most 8 tokens (``moe_layout(...)["ll_tokens"]``, a decode step's) takes
     the low-latency path: its rows travel in stores that carry their own
     completion flag, with no fence or separate signal, and it launches at most
-    8 blocks. Members whose calls differ widely in size stay correct, but the
-    small ones then receive the others' rows slowly. A peer that stops sending
+    8 blocks. Larger calls stage each token's row once per member, flagged per
+    group of 32 vectors, so that receivers copy each group as it lands. Members
+    whose calls differ widely in size stay correct, but the small ones then
+    receive the others' rows slowly. A peer that stops sending
     shows as ``ferry.Timeout`` from ``memory.check_device_error()`` after
     ``wait_timeout_s``, naming it.
     """
