@@ -55,6 +55,16 @@ def pct(v, p):
     return v[min(len(v) - 1, int(p * len(v)))] if v else float("nan")
 
 
+def random_call(tokens, experts, gen, dev):
+    """One call's inputs: bf16 rows, TOP_K distinct random experts per token and
+    their weights, and the combine's output buffer."""
+    x = torch.randn((tokens, HIDDEN), generator=gen, device=dev).to(torch.bfloat16)
+    scores = torch.rand((tokens, experts), generator=gen, device=dev)
+    topk = scores.argsort(dim=1)[:, :TOP_K].contiguous().to(torch.int64)
+    w = torch.rand((tokens, TOP_K), generator=gen, device=dev)
+    return x, topk, w, torch.empty((tokens, HIDDEN), dtype=torch.bfloat16, device=dev)
+
+
 def event_pair():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -137,11 +147,7 @@ def worker(rank, world, port, args, queue):
             return
         rows = {}
         for t in SIZES:
-            x = torch.randn((t, HIDDEN), generator=gen, device=dev).to(torch.bfloat16)
-            scores = torch.rand((t, experts), generator=gen, device=dev)
-            topk = scores.argsort(dim=1)[:, :TOP_K].contiguous().to(torch.int64)
-            w = torch.rand((t, TOP_K), generator=gen, device=dev)
-            out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
+            x, topk, w, out = random_call(t, experts, gen, dev)
             ferry_calls = [lambda: moe.dispatch(x, topk, w),
                            lambda: moe.combine(moe.recv_x, out=out)]
             inp = torch.randn((t * TOP_K, HIDDEN), device=dev).to(torch.bfloat16)
@@ -179,13 +185,8 @@ def breakdown_runs(moe, world, dev, iters):
     gen.manual_seed(99 + dist.get_rank())
     experts = world * EXPERTS_PER_RANK
 
-    def inputs(t):
-        x = torch.randn((t, HIDDEN), generator=gen, device=dev).to(torch.bfloat16)
-        topk = torch.rand((t, experts), generator=gen, device=dev).argsort(dim=1)[:, :TOP_K]
-        w = torch.rand((t, TOP_K), generator=gen, device=dev)
-        return x, topk.contiguous().to(torch.int64), w, torch.empty_like(x)
-
-    (x0, k0, w0, o0), (x1, k1, w1, o1), (x8, k8, w8, o8) = inputs(0), inputs(1), inputs(8)
+    (x0, k0, w0, o0), (x1, k1, w1, o1), (x8, k8, w8, o8) = (
+        random_call(t, experts, gen, dev) for t in (0, 1, 8))
     one = torch.zeros(1, device=dev)
     tiny_in = torch.ones(world, dtype=torch.bfloat16, device=dev)
     tiny_out = torch.empty_like(tiny_in)
@@ -228,16 +229,12 @@ def sm_sweep_runs(rank, world, dev, iters, gpu_barrier):
         moe = MoeExchange(max_tokens=max(SWEEP_SIZES), hidden=HIDDEN, top_k=TOP_K,
                           experts_per_rank=EXPERTS_PER_RANK, rank=rank, size=world, sm_count=sms)
         for t in SWEEP_SIZES:
-            x = torch.randn((t, HIDDEN), generator=gen, device=dev).to(torch.bfloat16)
-            scores = torch.rand((t, experts), generator=gen, device=dev)
-            topk = scores.argsort(dim=1)[:, :TOP_K].contiguous().to(torch.int64)
-            w = torch.rand((t, TOP_K), generator=gen, device=dev)
-            out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
+            x, topk, w, out = random_call(t, experts, gen, dev)
             calls = [lambda: moe.dispatch(x, topk, w), lambda: moe.combine(moe.recv_x, out=out)]
             d, c = gpu_barrier_timed(calls, iters, gpu_barrier)
             moe.memory.check_device_error()
             table.append((sms, t, statistics.median(d), statistics.median(c)))
-        del moe
+        moe = None  # frees its buffer before the next sm_count
         torch.cuda.synchronize()
         dist.barrier()
     return table
