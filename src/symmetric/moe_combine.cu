@@ -123,17 +123,22 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
                                      lane, &poll);
       continue;
     }
-    // Every lane waits for the flags of every group of the chunk from every
-    // member the token chose (one load per flag for the warp), and so takes
-    // each acquire itself before loading the partial rows.
-    const uint32_t g1 = static_cast<uint32_t>((end + 31) / 32);
-    for (unsigned m = remote; m != 0; m &= m - 1) {
+    // The flags of every group of the chunk from every member the token
+    // chose, all at once: lane k waits for pairs k, k + 32, ... of (member,
+    // group) (acquire); __syncwarp then orders every lane's loads of the
+    // partial rows after them.
+    const uint32_t g0 = static_cast<uint32_t>(first / 32);
+    const uint32_t groups = static_cast<uint32_t>((end + 31) / 32) - g0;
+    const uint32_t waits = static_cast<uint32_t>(__popc(remote)) * groups;
+    for (uint32_t k = static_cast<uint32_t>(lane); k < waits; k += 32) {
+      unsigned m = remote;  // the (k / groups)-th member of `remote`
+      for (uint32_t skip = k / groups; skip > 0; --skip) m &= m - 1;
       const int d = __ffs(static_cast<int>(m)) - 1;
-      const uint32_t* flags = at.partial_flags(me, d, t);
-      for (uint32_t group = static_cast<uint32_t>(first / 32); group < g1; ++group) {
-        (void)__all_sync(kFullMask, poll.wait_flag(flags + group, d));
-      }
+      if (!poll.wait_flag(at.partial_flags(me, d, t) + g0 + k % groups, d)) break;
     }
+    // A lane that timed out gives the whole warp up: later polls return at once.
+    poll.failed = __any_sync(kFullMask, poll.failed);
+    __syncwarp();
     const int4* partial = mine ? at.partial_row(me, lane, t) : nullptr;
     const unsigned partial_lanes = __ballot_sync(kFullMask, mine);
     moe::weighted_sum(out + static_cast<uint64_t>(t) * row_vectors, row, weight, own_lanes, partial,

@@ -13,6 +13,10 @@ namespace ferry::symmetric::moe {
 constexpr int kWarpsPerBlock = kMoeThreadsPerBlock / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kUnroll = 4;  // 16-byte vectors in flight per lane
+// Row vectors per lane that a low-latency receiver polls with the row's meta
+// record (RoundPoll::load_record): one covers a 1-token call's chunks (32
+// vectors); two spilled registers on sm_90.
+constexpr int kRecordBatch = 1;
 
 struct Grid {
   int lane;
@@ -112,6 +116,18 @@ __device__ __forceinline__ int4 load_peer(const int4* p) {
   return __ldcg(p);
 }
 
+// Vectors [first, first + 32 x kStagedBatch) of a row a peer wrote, lane's
+// share (fan_copy<false, kStagedBatch>'s first vectors).
+constexpr int kStagedBatch = 2;  // kUnroll spilled registers on sm_90
+__device__ __forceinline__ void load_peer_batch(const int4* src, uint64_t first, uint64_t end,
+                                                int lane, int4 (&v)[kStagedBatch]) {
+#pragma unroll
+  for (int u = 0; u < kStagedBatch; ++u) {
+    const uint64_t i = first + static_cast<uint64_t>(u * 32 + lane);
+    v[u] = i < end ? load_peer(src + i) : make_int4(0, 0, 0, 0);
+  }
+}
+
 // Relaxed store at system scope of a staged group's flag, after the fence that
 // orders the group's data before it.
 __device__ __forceinline__ void store_flag(uint32_t* p, uint32_t v) {
@@ -123,15 +139,20 @@ __device__ __forceinline__ void store_flag(uint32_t* p, uint32_t v) {
 // stored to every destination. Every lane must call it with the same
 // arguments except `dst`. kReadOnlySource: `src` is not written while the
 // kernel runs (the read-only path); otherwise a peer wrote it (load_peer).
-template <bool kReadOnlySource>
+// `batch` holds the lane's share of the first kBatch x 32 vectors, loaded by
+// the caller (load_peer_batch) while it did other work.
+template <bool kReadOnlySource, int kBatch = 0>
 __device__ __forceinline__ void fan_copy(const int4* src, int4* dst, unsigned dst_lanes,
-                                         uint64_t first, uint64_t end, int lane) {
+                                         uint64_t first, uint64_t end, int lane,
+                                         const int4* batch = nullptr) {
   for (uint64_t base = first; base < end; base += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
-      if constexpr (kReadOnlySource) {
+      if (u < kBatch && base == first) {
+        v[u] = batch[u];
+      } else if constexpr (kReadOnlySource) {
         v[u] = i < end ? device::load_stream(src + i) : make_int4(0, 0, 0, 0);
       } else {
         v[u] = i < end ? load_peer(src + i) : make_int4(0, 0, 0, 0);
@@ -169,6 +190,17 @@ __device__ __forceinline__ void ll_store_vector(int4* line_row, uint64_t i, cons
   ll_store(line_row + 2 * i + 1, static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w), flag);
 }
 
+// One line vector, loaded 16 bytes at once (volatile: no cache holds a stale
+// copy). Its data words are .x and .z, its flags .y and .w.
+__device__ __forceinline__ uint4 load_line(const int4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
 // Polls what a peer writes with this round's flag: line vectors (their flags
 // inline) and the flags of staged groups. After the team's timeout it records
 // an error naming the sender (kDeviceErrorLineTimeout for lines,
@@ -184,16 +216,12 @@ struct RoundPoll {
 
   // The two data words of line vector `p`, written by member `peer`.
   __device__ __forceinline__ uint2 load(const int4* p, int peer) {
-    uint32_t a = 0, b = 0, c = 0, d = 0;
     uint64_t start = 0;
     for (uint32_t spins = 0; !failed; ++spins) {
-      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
-                   : "l"(p)
-                   : "memory");
-      if (b == flag && d == flag) return make_uint2(a, c);
+      const uint4 v = load_line(p);
+      if (v.y == flag && v.w == flag) return make_uint2(v.x, v.z);
       if ((spins & 255u) == 255u) {
-        give_up_after_timeout(start, peer, b != flag ? b : d, kDeviceErrorLineTimeout);
+        give_up_after_timeout(start, peer, v.y != flag ? v.y : v.w, kDeviceErrorLineTimeout);
       }
     }
     return make_uint2(0, 0);
@@ -225,6 +253,19 @@ struct RoundPoll {
     }
   }
 
+  // A row vector from its two line vectors `lo` and `hi`: true (and *out set)
+  // when both carry this round's flag; else *seen gets a flag that does not.
+  __device__ __forceinline__ bool row_vector(const uint4& lo, const uint4& hi, int4* out,
+                                             uint32_t* seen) const {
+    if (lo.y == flag && lo.w == flag && hi.y == flag && hi.w == flag) {
+      *out = make_int4(static_cast<int>(lo.x), static_cast<int>(lo.z), static_cast<int>(hi.x),
+                       static_cast<int>(hi.z));
+      return true;
+    }
+    *seen = lo.y != flag ? lo.y : (lo.w != flag ? lo.w : (hi.y != flag ? hi.y : hi.w));
+    return false;
+  }
+
   // Row vector i of a line row written by member `peer`: both of its line
   // vectors are loaded in each poll, so that one that is there costs one
   // round trip, not two.
@@ -232,62 +273,119 @@ struct RoundPoll {
     const int4* p = line_row + 2 * i;
     uint64_t start = 0;
     for (uint32_t spins = 0; !failed; ++spins) {
-      uint32_t a, b, c, d, e, f, g, h;
-      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
-                   : "l"(p)
-                   : "memory");
-      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(e), "=r"(f), "=r"(g), "=r"(h)
-                   : "l"(p + 1)
-                   : "memory");
-      if (b == flag && d == flag && f == flag && h == flag) {
-        return make_int4(static_cast<int>(a), static_cast<int>(c), static_cast<int>(e),
-                         static_cast<int>(g));
-      }
-      if ((spins & 255u) == 255u) {
-        const uint32_t seen = b != flag ? b : (d != flag ? d : (f != flag ? f : h));
-        give_up_after_timeout(start, peer, seen, kDeviceErrorLineTimeout);
-      }
+      const uint4 lo = load_line(p), hi = load_line(p + 1);
+      int4 v;
+      uint32_t seen = flag;
+      if (row_vector(lo, hi, &v, &seen)) return v;
+      if ((spins & 255u) == 255u) give_up_after_timeout(start, peer, seen, kDeviceErrorLineTimeout);
     }
     return make_int4(0, 0, 0, 0);
   }
 
-  // A line's meta record, written by member `peer`, by the whole warp: the
-  // header (lane 0) and every entry (lane j < K: entry j) are loaded in each
-  // poll, so that a record that is there costs one round trip, not two.
-  // Returns the header's count n (0 after a timeout); lane j < n gets entry j.
-  __device__ __forceinline__ int load_record(const int4* line, int K, int peer, int lane,
-                                             uint2* entry) {
+  // The headers of `tokens` consecutive lines of member `peer` (token t's at
+  // line0 + t x stride; lane t < tokens gets its count n, at most K) and the
+  // first 32 entries of their meta records (lane i < tokens x K: entry i % K
+  // of token i / K, where that is below the token's count; else {~0, 0}), all
+  // loaded in each poll: records that are there cost one round trip. False
+  // after a timeout.
+  __device__ __forceinline__ bool load_headers(const int4* line0, uint64_t stride, int tokens,
+                                               int K, int peer, int lane, int* n, uint2* entry) {
+    const int entries = tokens * K;
+    const int te = lane / K, je = lane % K;  // this lane's entry, where lane < entries
     uint64_t start = 0;
     for (uint32_t spins = 0; !failed; ++spins) {
-      uint32_t ha = 0, hb = 0, hd = 0, ea = 0, eb = 0, ec = 0, ed = 0;
-      if (lane == 0) {  // the header's other data word is unused
-        asm volatile("{ .reg .u32 unused; ld.volatile.global.v4.u32 {%0, %1, unused, %2}, [%3]; }"
-                     : "=r"(ha), "=r"(hb), "=r"(hd)
-                     : "l"(line)
-                     : "memory");
-      }
-      if (lane < K) {
-        asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(ea), "=r"(eb), "=r"(ec), "=r"(ed)
-                     : "l"(line + 1 + lane)
-                     : "memory");
-      }
-      const bool head = __shfl_sync(kFullMask, hb == flag && hd == flag, 0);
-      const unsigned entries = __ballot_sync(kFullMask, lane < K && eb == flag && ed == flag);
-      if (head) {
-        const int n = min(static_cast<int>(__shfl_sync(kFullMask, ha, 0)), K);
-        const unsigned need = n >= 32 ? kFullMask : (1u << n) - 1u;
-        if ((entries & need) == need) {
-          *entry = make_uint2(ea, ec);
-          return n;
+      uint4 head = make_uint4(0, 0, 0, 0), mine = make_uint4(0, 0, 0, 0);
+      if (lane < tokens) head = load_line(line0 + static_cast<uint64_t>(lane) * stride);
+      if (lane < entries) mine = load_line(line0 + static_cast<uint64_t>(te) * stride + 1 + je);
+      uint32_t seen = flag;
+      if (__all_sync(kFullMask, lane >= tokens || (head.y == flag && head.w == flag))) {
+        const int count = lane < tokens ? min(static_cast<int>(head.x), K) : 0;
+        const int count_e = __shfl_sync(kFullMask, count, te < tokens ? te : 0);
+        const bool need = lane < entries && te < tokens && je < count_e;
+        if (__all_sync(kFullMask, !need || (mine.y == flag && mine.w == flag))) {
+          *n = count;
+          *entry = need ? make_uint2(mine.x, mine.z) : make_uint2(0xffffffffu, 0);
+          return true;
         }
+        seen = mine.y;
+      } else {
+        seen = head.y;
       }
       if ((spins & 255u) == 255u) {
         int gave_up = 0;
         if (lane == 0) {
-          give_up_after_timeout(start, peer, hb != flag ? hb : eb, kDeviceErrorLineTimeout);
+          give_up_after_timeout(start, peer, seen, kDeviceErrorLineTimeout);
+          gave_up = failed ? 1 : 0;
+        }
+        failed = __shfl_sync(kFullMask, gave_up, 0) != 0;
+      }
+    }
+    *n = 0;
+    *entry = make_uint2(0xffffffffu, 0);
+    return false;
+  }
+
+  // A line's meta record and the first vectors of its row, written by member
+  // `peer`, by the whole warp, all loaded in each poll: the header (lane 0),
+  // every entry (lane j < K: entry j) and the lane's vectors of [first, first
+  // + 32 x kRecordBatch) of the row (as ll_fan_copy takes them; the sender
+  // stores the row right after the record, so a record that is there costs
+  // one round trip and its row no second one). Returns the header's count n
+  // (0 after a timeout); lane j < n gets entry j; where n > 0 `batch` holds
+  // the vectors (a row is sent only to a member with entries: n = 0 waits for
+  // no row).
+  __device__ __forceinline__ int load_record(const int4* line, int K, const int4* line_row,
+                                             uint64_t first, uint64_t end, int peer, int lane,
+                                             uint2* entry, int4 (&batch)[kRecordBatch]) {
+    unsigned missing = 0;  // bit u: batch[u] not here yet
+#pragma unroll
+    for (int u = 0; u < kRecordBatch; ++u) {
+      batch[u] = make_int4(0, 0, 0, 0);
+      if (first + static_cast<uint64_t>(u * 32 + lane) < end) missing |= 1u << u;
+    }
+    int n = -1;  // the header's count, once the header and its entries are here
+    uint64_t start = 0;
+    for (uint32_t spins = 0; !failed; ++spins) {
+      // Every load of the poll is issued before any is looked at.
+      uint4 head = make_uint4(0, 0, 0, 0), mine = make_uint4(0, 0, 0, 0);
+      uint4 lo[kRecordBatch], hi[kRecordBatch];
+      if (n < 0 && lane == 0) head = load_line(line);
+      if (n < 0 && lane < K) mine = load_line(line + 1 + lane);
+#pragma unroll
+      for (int u = 0; u < kRecordBatch; ++u) {
+        if ((missing >> u) & 1u) {
+          const int4* p = line_row + 2 * (first + static_cast<uint64_t>(u * 32 + lane));
+          lo[u] = load_line(p);
+          hi[u] = load_line(p + 1);
+        }
+      }
+      uint32_t seen = flag;
+      if (n < 0) {
+        const bool here = __shfl_sync(kFullMask, head.y == flag && head.w == flag, 0);
+        const unsigned entries =
+            __ballot_sync(kFullMask, lane < K && mine.y == flag && mine.w == flag);
+        if (here) {
+          const int count = min(static_cast<int>(__shfl_sync(kFullMask, head.x, 0)), K);
+          const unsigned need = count >= 32 ? kFullMask : (1u << count) - 1u;
+          if ((entries & need) == need) {
+            n = count;
+            *entry = make_uint2(mine.x, mine.z);
+          }
+        }
+        if (n < 0) seen = head.y != flag ? head.y : mine.y;
+      }
+      if (n == 0) return 0;
+#pragma unroll
+      for (int u = 0; u < kRecordBatch; ++u) {
+        if (((missing >> u) & 1u) && row_vector(lo[u], hi[u], &batch[u], &seen)) {
+          missing &= ~(1u << u);
+        }
+      }
+      if (n > 0 && !__any_sync(kFullMask, missing != 0)) return n;
+      if ((spins & 255u) == 255u) {
+        int gave_up = 0;
+        if (lane == 0) {
+          give_up_after_timeout(start, peer, seen, kDeviceErrorLineTimeout);
           gave_up = failed ? 1 : 0;
         }
         failed = __shfl_sync(kFullMask, gave_up, 0) != 0;
@@ -298,16 +396,22 @@ struct RoundPoll {
 };
 
 // fan_copy from a line row of one sender: each row vector is polled once and
-// stored to every destination of `dst_lanes` (plain rows).
+// stored to every destination of `dst_lanes` (plain rows). `batch` holds the
+// first vectors, loaded by RoundPoll::load_record.
 __device__ __forceinline__ void ll_fan_copy(RoundPoll& poll, const int4* line_row, int peer,
                                             int4* dst, unsigned dst_lanes, uint64_t first,
-                                            uint64_t end, int lane) {
+                                            uint64_t end, int lane,
+                                            const int4 (&batch)[kRecordBatch]) {
   for (uint64_t base = first; base < end; base += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t i = base + static_cast<uint64_t>(u * 32 + lane);
-      v[u] = i < end ? poll.load_vector(line_row, i, peer) : make_int4(0, 0, 0, 0);
+      if (base == first && u < kRecordBatch) {
+        v[u] = batch[u];
+      } else {
+        v[u] = i < end ? poll.load_vector(line_row, i, peer) : make_int4(0, 0, 0, 0);
+      }
     }
     for (unsigned m = dst_lanes; m != 0; m &= m - 1) {
       const int from = __ffs(static_cast<int>(m)) - 1;

@@ -5,18 +5,18 @@
 //     it orders no data) and zeroes this member's counts of rows from others.
 //  1. send: warps take (token, chunk of its row). Each (token, k) choice gets
 //     its slot in the expert's receive block from this member's counter for
-//     that expert. The warp loads the chunk once and stores it into
-//       - recv_x of each of this member's own chosen experts (local stores), and
-//       - the stage row (source = me, token) of each other member it chose,
-//     and writes, for each other member, the token's meta record there: a
-//     header {round, n} and n entries {local expert, slot, weight} (n = 0
-//     where the token chose none of its experts). Then a fence and, per other
-//     member, the flag of each group of 32 vectors it sent (group 0 also
-//     covers the meta record).
+//     that expert. The warp writes, for each other member, the token's meta
+//     record there: a header {round, n} and n entries {local expert, slot,
+//     weight} (n = 0 where the token chose none of its experts); loads the
+//     chunk once and stores it into recv_x of each of this member's own chosen
+//     experts and the stage row (source = me, token) of each other member it
+//     chose; then a fence and, per other member, the flag of each group of 32
+//     vectors of the chunk (group 0 also covers the meta record), sent or not.
 //  2. the warp that finishes the last unit (finish_unit) takes this member's
 //     own experts' counts and resets the counters for the next call.
-//  3. fan out: warps take (source, token, chunk); each waits for its groups'
-//     flags (acquire), reads the meta record, copies the staged rows into this
+//  3. fan out: warps take (source, token, chunk); each waits for the flags of
+//     group 0 and of its groups at once (a lane each, acquire), reads the meta
+//     record with the chunk's first vectors, copies the staged rows into this
 //     member's experts' recv_x rows (local HBM, one read per row, one write per
 //     expert) and counts them. A group is copied as soon as it lands: no
 //     member waits for another's whole call.
@@ -184,15 +184,18 @@ __device__ void count_own_rows(const MoeKernelArgs& a, int lane) {
 }
 
 // Low latency, by one warp per source: how many rows of each local expert
-// source s sent, counted from its lines -- lane t takes token t's header, then
-// the lanes take the entries of every token at once.
+// source s sent, counted from its lines -- every token's header and the first
+// 32 entries in one poll (RoundPoll::load_headers), later entries one by one.
 __device__ void receive_line_counts(const MoeKernelArgs& a, const moe::Layout& at,
                                     moe::RoundPoll& poll, int s, int tokens, int lane) {
   const int W = a.team.size, E = a.experts_per_rank, K = a.top_k, me = a.team.rank;
   const int parity = static_cast<int>(a.round & 1);
   wait_counts_zeroed(a, lane);  // its column is written here, after the zeroing
-  int n = 0;  // lane t < tokens (<= kLowLatencyTokens < 32): token t's entries here
-  if (lane < tokens) n = min(static_cast<int>(poll.load(at.line(me, parity, s, lane), s).x), K);
+  const int4* line0 = at.line(me, parity, s, 0);
+  const uint64_t stride = at.line_vectors();
+  int n = 0;          // lane t < tokens (<= kLowLatencyTokens < 32): token t's entries here
+  uint2 first_entry;  // lane i: entry i of the first 32
+  poll.load_headers(line0, stride, tokens, K, s, lane, &n, &first_entry);
   const int entries = tokens * K;
   for (int l0 = 0; l0 < E; l0 += 32) {
     int count = 0;
@@ -202,7 +205,9 @@ __device__ void receive_line_counts(const MoeKernelArgs& a, const moe::Layout& a
       const int n_t = __shfl_sync(kFullMask, n, t);
       int le = -1;
       if (i < entries && j < n_t) {
-        const uint2 entry = poll.load(at.line(me, parity, s, t) + 1 + j, s);
+        const uint2 entry = base == 0
+                                ? first_entry
+                                : poll.load(line0 + static_cast<uint64_t>(t) * stride + 1 + j, s);
         if (static_cast<int>(entry.x >> 16) < a.max_tokens)
           le = static_cast<int>(entry.x & 0xffffu);
       }
@@ -213,7 +218,7 @@ __device__ void receive_line_counts(const MoeKernelArgs& a, const moe::Layout& a
 }
 
 // Low latency, receiving token t of source s (one warp per (token, chunk)):
-// the meta record from its line (lane 0 the header, lane 1 + j entry j), kept
+// the meta record from its line (lane 0 the header, lane j entry j), kept
 // here as a plain record for combine (chunk 0), and the row's vectors
 // [first, end) copied to each of this member's experts it chose as they arrive.
 __device__ void receive_line(const MoeKernelArgs& a, const moe::Layout& at, moe::RoundPoll& poll,
@@ -221,9 +226,14 @@ __device__ void receive_line(const MoeKernelArgs& a, const moe::Layout& at, moe:
   const int me = a.team.rank, K = a.top_k, E = a.experts_per_rank;
   const int parity = static_cast<int>(a.round & 1);
   const int4* line = at.line(me, parity, s, t);
+  const int4* line_row = at.line_row(me, parity, s, t);
+  uint64_t first = 0, end = 0;
+  moe::chunk_range(row_vectors, fan_chunks, c, &first, &end);
   // Entry j: {le | slot << 16, weight}; lane 31 also takes entry 31 of a top-32.
+  // The record and the chunk's first vectors come in the same polls.
   uint2 entry = make_uint2(0xffffffffu, 0);
-  const int n = poll.load_record(line, K, s, lane, &entry);
+  int4 batch[moe::kRecordBatch];
+  const int n = poll.load_record(line, K, line_row, first, end, s, lane, &entry, batch);
   if (n == 0) return;  // token t chose none of this member's experts
   if (lane >= n) entry = make_uint2(0xffffffffu, 0);
   int4* dst = nullptr;
@@ -239,26 +249,45 @@ __device__ void receive_line(const MoeKernelArgs& a, const moe::Layout& at, moe:
   }
   const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
   if (dst_lanes == 0) return;
-  uint64_t first = 0, end = 0;
-  moe::chunk_range(row_vectors, fan_chunks, c, &first, &end);
-  moe::ll_fan_copy(poll, at.line_row(me, parity, s, t), s, dst, dst_lanes, first, end, lane);
+  moe::ll_fan_copy(poll, line_row, s, dst, dst_lanes, first, end, lane, batch);
 }
 
 // Step 3 for a staged source, token t of source s, vectors of chunk c of
-// fan_chunks (one warp): its group 0's flag (the meta record), the meta
-// record, then the flags of the other groups of the chunk, then the rows to
-// each of this member's experts the token chose, and their count.
+// fan_chunks (one warp): the flags of group 0 (the meta record) and of the
+// chunk's groups, all at once (a lane each); then the meta record and the
+// chunk's first vectors in one round trip; then the rows to each of this
+// member's experts the token chose, and their count. Every group's flag comes
+// to every member, chosen or not, so no lane waits for a flag never sent.
 __device__ void receive_staged(const MoeKernelArgs& a, const moe::Layout& at, moe::RoundPoll& poll,
                                int s, int t, int c, int fan_chunks, uint64_t row_vectors,
                                int lane) {
   const int W = a.team.size, E = a.experts_per_rank, K = a.top_k, me = a.team.rank;
   const int parity = static_cast<int>(a.round & 1);
   const uint32_t* flags = at.flags(me, parity, s, t);
-  // Every lane polls (one load for the warp) and so takes the acquire itself.
-  if (!__all_sync(kFullMask, poll.wait_flag(flags, s))) return;
+  uint64_t first = 0, end = 0;
+  moe::chunk_range(row_vectors, fan_chunks, c, &first, &end);
+  // Lane k waits for flags k, k + 32, ... of {group 0, groups [from, to)}
+  // (acquire); __syncwarp then orders every lane's later loads after them.
+  const uint32_t from = first / 32 > 0 ? static_cast<uint32_t>(first / 32) : 1u;
+  const uint32_t to = static_cast<uint32_t>((end + 31) / 32);
+  const uint32_t waits = 1 + (to > from ? to - from : 0);
+  bool here = true;
+  for (uint32_t k = static_cast<uint32_t>(lane); here && k < waits; k += 32) {
+    here = poll.wait_flag(flags + (k == 0 ? 0 : from + k - 1), s);
+  }
+  // A lane that timed out gives the whole warp up: later polls return at once.
+  if (!__all_sync(kFullMask, here)) {
+    poll.failed = true;
+    return;
+  }
+  __syncwarp();
   const int4* rec = at.meta(me, parity, s, t);
-  // The header and the entries in one load (lane 0: header, lane 1 + j: entry j).
+  const int4* stage = at.stage_row(me, s, t);
+  // The header and the entries in one load (lane 0: header, lane 1 + j:
+  // entry j), with the chunk's first vectors.
   const int4 mine = lane <= K ? moe::load_peer(rec + lane) : make_int4(0, 0, 0, 0);
+  int4 batch[moe::kStagedBatch];
+  moe::load_peer_batch(stage, first, end, lane, batch);
   const int tag = __shfl_sync(kFullMask, mine.x, 0);
   const int count = __shfl_sync(kFullMask, mine.y, 0);
   if (static_cast<uint32_t>(tag) != poll.flag) return;  // a flag without its record: not sent
@@ -279,12 +308,7 @@ __device__ void receive_staged(const MoeKernelArgs& a, const moe::Layout& at, mo
   }
   const unsigned dst_lanes = __ballot_sync(kFullMask, dst != nullptr);
   if (dst_lanes == 0) return;  // token t chose none of this member's experts
-  uint64_t first = 0, end = 0;
-  moe::chunk_range(row_vectors, fan_chunks, c, &first, &end);
-  for (uint64_t group = first / 32 > 0 ? first / 32 : 1; group * 32 < end; ++group) {
-    if (!__all_sync(kFullMask, poll.wait_flag(flags + group, s))) return;
-  }
-  moe::fan_copy<false>(at.stage_row(me, s, t), dst, dst_lanes, first, end, lane);
+  moe::fan_copy<false, moe::kStagedBatch>(stage, dst, dst_lanes, first, end, lane, batch);
   if (c == 0) {
     if (dst != nullptr) *at.recv_src(me, le, s, slot) = t;
     wait_counts_zeroed(a, lane);
@@ -415,8 +439,9 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     }
     if (lines) continue;
     // Staged: the fence orders every lane's stores above before the flags;
-    // then each other member gets the flags of the groups it was sent (group
-    // 0 alone, for the meta record, where the token chose none of its experts).
+    // then each other member gets the flags of the chunk's groups, whether or
+    // not it was sent the row (group 0 also covers the meta record), so that
+    // a receiver waits for all of its groups at once.
     if (remote != 0 || c == 0) {
       __syncwarp();
       device::fence();
@@ -425,14 +450,8 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
                    g1 = static_cast<uint32_t>((end + 31) / 32);
     for (int m = 0; m < W; ++m) {
       if (m == me) continue;
-      uint32_t from = g0, to = g1;
-      if (((remote >> m) & 1u) == 0) {
-        if (c != 0) continue;
-        from = 0;
-        to = 1;
-      }
       uint32_t* flags = at.flags(m, parity, me, t);
-      for (uint32_t group = from + static_cast<uint32_t>(lane); group < to; group += 32) {
+      for (uint32_t group = g0 + static_cast<uint32_t>(lane); group < g1; group += 32) {
         moe::store_flag(flags + group, round32);
       }
     }
