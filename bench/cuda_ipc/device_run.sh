@@ -14,8 +14,8 @@
 #  1. Ferry: .devcarry/build.sh into build-cuda-ipc/ (-DFERRY_BUILD_PYTHON=ON, no tests
 #     or tools; incremental on a warm machine), then PYTHONPATH=build-cuda-ipc/python.
 #     FERRY_PYTHONPATH=DIR skips the build and uses that package instead.
-#  2. A venv (/tmp/cuda-ipc-venv) with --system-site-packages, plus a .pth naming the
-#     system python3's site-packages when python3 is itself a venv (/opt/torch/.venv:
+#  2. bench/device/nixl_env.sh: a venv (/tmp/cuda-ipc-venv) with --system-site-packages,
+#     plus a .pth naming the system python3's site-packages when python3 is itself a venv (/opt/torch/.venv:
 #     a venv made from it would not see its torch); where `python3 -m venv` fails (no
 #     ensurepip), pip install --target /tmp/cuda-ipc-site + PYTHONPATH instead. nixl +
 #     nixl-cu13 installed with --no-index --no-deps from .devcarry/wheels-nixl. A failed
@@ -55,47 +55,17 @@ if [[ -z "${FERRY_PYTHONPATH:-}" ]]; then
 fi
 export PYTHONPATH=$FERRY_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}
 
-# --- 2. a venv that sees torch, with NIXL ---------------------------------------------
-V=${BENCH_VENV:-/tmp/cuda-ipc-venv}
+# --- 2. a venv that sees torch, with NIXL (bench/device/nixl_env.sh) --------------------
+# shellcheck source=bench/device/nixl_env.sh
+source bench/device/nixl_env.sh
 : > "$O/pip.txt"
-if { [[ -x $V/bin/python ]] || "$PY" -m venv --system-site-packages "$V" >> "$O/pip.txt" 2>&1; } &&
-   "$V/bin/python" -m pip --version > /dev/null 2>&1; then
-  BPY=$V/bin/python
-  if ! "$BPY" -c "import torch" 2>/dev/null; then
-    sp=$("$BPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    "$PY" -c "import site; print('\n'.join(site.getsitepackages()))" > "$sp/zz-system-python3.pth"
-    echo "venv: python3 is itself a venv; its site-packages added by $sp/zz-system-python3.pth" | tee -a "$O/pip.txt"
-  fi
-  PIP=("$BPY" -m pip install)
-else  # no ensurepip for this python3 (a uv-made venv, say): the packages go to a folder on PYTHONPATH
-  BPY=$PY
-  T=/tmp/cuda-ipc-site
-  export PYTHONPATH=$T:$PYTHONPATH
-  PIP=("$PY" -m pip install --target "$T")
-  echo "venv: '$PY -m venv' failed ($(tail -n 1 "$O/pip.txt")); installing into $T instead" | tee -a "$O/pip.txt"
+if nixl_env "$PY" "$O/pip.txt"; then
+  echo "nixl: importable"
+else
+  echo "NIXL will be NOT RUN (see pip.txt)"
 fi
-nixl_ok='import torch, nixl; from nixl._api import nixl_agent, nixl_agent_config; import os; os._exit(0)'
-if ! "$BPY" -c "$nixl_ok" >> "$O/pip.txt" 2>&1; then
-  if ls .devcarry/wheels-nixl/nixl*.whl > /dev/null 2>&1; then
-    PIP_DISABLE_PIP_VERSION_CHECK=1 "${PIP[@]}" -q --no-index --no-deps \
-      --find-links .devcarry/wheels-nixl nixl nixl-cu13 >> "$O/pip.txt" 2>&1 ||
-      echo "nixl install failed (NIXL will be NOT RUN): $(tail -n 1 "$O/pip.txt")"
-  else
-    echo "no .devcarry/wheels-nixl/*.whl (run bench/cuda_ipc/fetch_wheels.sh here and carry it): NIXL will be NOT RUN"
-  fi
-fi
-# UCX's CUDA modules in nixl-cu13 need libcudart.so.13: the one torch loads (nvidia-cuda-runtime).
-cudart=$("$BPY" - <<'EOF' 2>/dev/null
-import glob, os, sys
-for p in sys.path:
-    for f in glob.glob(os.path.join(p, "nvidia", "**", "libcudart.so.13*"), recursive=True):
-        print(os.path.dirname(f)); raise SystemExit
-EOF
-)
-[[ -n "$cudart" ]] && export LD_LIBRARY_PATH=$cudart:$LD_LIBRARY_PATH
-[[ -d /usr/local/cuda/lib64 ]] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/usr/local/cuda/lib64
+export PYTHONPATH=${NIXL_PYTHONPATH:+$NIXL_PYTHONPATH:}$PYTHONPATH
 "$BPY" -c "import ferry; print('ferry', ferry.version(), ferry.__file__, '| cuda:', ferry.cuda_available(), ferry.cuda_unavailable_reason())" 2>&1 | tee -a "$O/pip.txt"
-"$BPY" -c "$nixl_ok" >> "$O/pip.txt" 2>&1 && echo "nixl: importable" || echo "nixl: NOT importable (see pip.txt)"
 echo "set-up done at $((SECONDS - t0)) s"
 
 # --- 3. the benchmark ------------------------------------------------------------------

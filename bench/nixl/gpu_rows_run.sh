@@ -47,43 +47,12 @@ if [[ -z "${FERRY_PYTHONPATH:-}" ]]; then
   echo "ferry built in $((SECONDS - t0)) s ($BUILD)"
 fi
 
-# --- 2. a venv that sees torch, with NIXL (as bench/cuda_ipc/device_run.sh) ---------------
-V=${BENCH_VENV:-/tmp/cuda-ipc-venv}
+# --- 2. a venv that sees torch, with NIXL (bench/device/nixl_env.sh) ----------------------
+# shellcheck source=bench/device/nixl_env.sh
+source bench/device/nixl_env.sh
 : > "$O/pip.txt"
-if { [[ -x $V/bin/python ]] || "$PY" -m venv --system-site-packages "$V" >> "$O/pip.txt" 2>&1; } &&
-   "$V/bin/python" -m pip --version > /dev/null 2>&1; then
-  BPY=$V/bin/python
-  if ! "$BPY" -c "import torch" 2>/dev/null; then  # python3 is itself a venv: a .pth names its packages
-    sp=$("$BPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    "$PY" -c "import site; print('\n'.join(site.getsitepackages()))" > "$sp/zz-system-python3.pth"
-  fi
-  PIP=("$BPY" -m pip install)
-else  # no ensurepip: NIXL goes to a folder, which the nixl rows get as NIXL_PYTHONPATH
-  BPY=$PY
-  export NIXL_PYTHONPATH=/tmp/cuda-ipc-site
-  PIP=("$PY" -m pip install --target "$NIXL_PYTHONPATH")
-fi
-nixl_ok='import torch, nixl; from nixl._api import nixl_agent, nixl_agent_config; import os; os._exit(0)'
-if ! PYTHONPATH=${NIXL_PYTHONPATH:-} "$BPY" -c "$nixl_ok" >> "$O/pip.txt" 2>&1; then
-  ls .devcarry/wheels-nixl/nixl*.whl > /dev/null 2>&1 ||
-    { echo "no .devcarry/wheels-nixl/*.whl (bench/device/prepare.sh --nixl here, and carry it)"; exit 1; }
-  PIP_DISABLE_PIP_VERSION_CHECK=1 "${PIP[@]}" -q --no-index --no-deps \
-    --find-links .devcarry/wheels-nixl nixl nixl-cu13 >> "$O/pip.txt" 2>&1 ||
-    { echo "nixl install failed: $(tail -n 1 "$O/pip.txt")"; exit 1; }
-fi
-# UCX's CUDA modules in nixl-cu13 need libcudart.so.13: the one torch loads (nvidia-cuda-runtime).
-cudart=$("$BPY" - <<'EOF' 2>/dev/null
-import glob, os, sys
-for p in sys.path:
-    for f in glob.glob(os.path.join(p, "nvidia", "**", "libcudart.so.13*"), recursive=True):
-        print(os.path.dirname(f)); raise SystemExit
-EOF
-)
-[[ -n "$cudart" ]] && export LD_LIBRARY_PATH=$cudart:$LD_LIBRARY_PATH
-[[ -d /usr/local/cuda/lib64 ]] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/usr/local/cuda/lib64
+nixl_env "$PY" "$O/pip.txt" || { tail -5 "$O/pip.txt"; exit 1; }
 PYTHONPATH=$FERRY_PYTHONPATH "$BPY" -c "import ferry; print('ferry', ferry.version(), ferry.__file__, '| cuda:', ferry.cuda_available(), ferry.cuda_unavailable_reason())" 2>&1 | tee -a "$O/pip.txt"
-PYTHONPATH=${NIXL_PYTHONPATH:-} "$BPY" -c "$nixl_ok" >> "$O/pip.txt" 2>&1 ||
-  { echo "nixl: NOT importable (pip.txt)"; tail -5 "$O/pip.txt"; exit 1; }
 echo "set-up done at $((SECONDS - t0)) s"
 
 # --- 3. the two launches -----------------------------------------------------------------
