@@ -114,6 +114,14 @@ def barrier_timed(calls, iters):
     return out
 
 
+def finish(rank, queue, payload):
+    """A worker's end: rank 0 hands the payload to the parent; all leave together."""
+    if rank == 0:
+        queue.put(("ok", payload))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def worker(rank, world, port, args, queue):
     try:
         torch.cuda.set_device(rank)
@@ -132,19 +140,10 @@ def worker(rank, world, port, args, queue):
         gen = torch.Generator(device=dev)
         gen.manual_seed(1234 + rank)
         if args.breakdown:
-            parts = breakdown_runs(moe, world, dev, args.iters)
-            if rank == 0:
-                queue.put(("ok", ("breakdown", parts)))
-            dist.barrier()
-            dist.destroy_process_group()
-            return
+            return finish(rank, queue, ("breakdown", breakdown_runs(moe, world, dev, args.iters)))
         if args.sm_sweep:
-            table = sm_sweep_runs(rank, world, dev, args.iters, moe.memory.barrier)
-            if rank == 0:
-                queue.put(("ok", ("sm_sweep", table)))
-            dist.barrier()
-            dist.destroy_process_group()
-            return
+            return finish(rank, queue, ("sm_sweep", sm_sweep_runs(rank, world, dev, args.iters,
+                                                                  moe.memory.barrier)))
         rows = {}
         for t in SIZES:
             x, topk, w, out = random_call(t, experts, gen, dev)
@@ -166,10 +165,7 @@ def worker(rank, world, port, args, queue):
             rows[t] = r
         # torch symmetric memory (NVSHMEM) last: its set-up must not disturb the others.
         note = symm_mem_runs(rank, world, dev, args.iters, rows, moe.memory.barrier)
-        if rank == 0:
-            queue.put(("ok", (rows, note)))
-        dist.barrier()
-        dist.destroy_process_group()
+        return finish(rank, queue, (rows, note))
     except Exception:  # noqa: BLE001 -- reported to the parent, which prints it
         queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 

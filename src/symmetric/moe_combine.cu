@@ -104,7 +104,12 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
   auto* out = static_cast<int4*>(a.out);
   const int out_chunks = moe::chunks_per_row(row_vectors, a.num_tokens, g.warps);
   const unsigned out_units = static_cast<unsigned>(a.num_tokens * out_chunks);
-  for (unsigned w = static_cast<unsigned>(g.warp); w < out_units;
+  // A low-latency call whose expert-side units leave room sums on the warps
+  // after them, which poll from the kernel's start instead of after step 1.
+  const unsigned out_base =
+      a.num_tokens <= a.ll_tokens && units + out_units <= static_cast<unsigned>(g.warps) ? units
+                                                                                         : 0u;
+  for (unsigned w = static_cast<unsigned>(g.warp) - out_base; w < out_units;
        w += static_cast<unsigned>(g.warps)) {
     const int t = static_cast<int>(w / static_cast<unsigned>(out_chunks));
     const int c = static_cast<int>(w % static_cast<unsigned>(out_chunks));

@@ -470,14 +470,21 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
   const int fan_chunks = moe::chunks_per_row(row_vectors, expected_rows, g.warps);
   const int64_t fan_units = static_cast<int64_t>(expected_rows) * fan_chunks;
   const int fan_warps = fan_units < g.warps ? static_cast<int>(fan_units) : g.warps;
+  // A low-latency call whose send units leave room receives on the warps
+  // after them (fan warp fw = warp - fan_base), which poll from the kernel's
+  // start instead of after their own sends.
+  const int fan_base = lines && static_cast<int>(units) + fan_warps + (W - 1) <= g.warps
+                           ? static_cast<int>(units)
+                           : 0;
+  const int fw = g.warp - fan_base;
   // Each source's token count (and a low-latency source's counts) is kept by
   // a warp of its own where the grid has warps beyond the fan-out's, so that
   // no row waits for it.
-  const int spare = g.warps - fan_warps;
+  const int spare = g.warps - fan_base - fan_warps;
   for (int i = 1; i < W; ++i) {
     const int s = (me + i) % W;
-    const int keeper = i - 1 < spare ? fan_warps + i - 1 : s % fan_warps;
-    const bool fans = g.warp < fan_warps;
+    const int keeper = fan_base + (i - 1 < spare ? fan_warps + i - 1 : s % fan_warps);
+    const bool fans = fw >= 0 && fw < fan_warps;
     if (!fans && g.warp != keeper) continue;
     // A relaxed poll: the signal orders no data (lines and groups carry flags).
     const uint32_t slot = a.dispatch_slot + static_cast<uint32_t>(parity * W + s);
@@ -499,7 +506,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) dispatch_kernel(MoeKer
     // serves one source and no warp two in turn.
     const unsigned offset = static_cast<unsigned>((static_cast<uint64_t>(i - 1) * stride) /
                                                   static_cast<unsigned>(W - 1));
-    const unsigned start = (static_cast<unsigned>(g.warp) + stride - offset) % stride;
+    const unsigned start = (static_cast<unsigned>(fw) + stride - offset) % stride;
     for (unsigned w = start; w < s_units; w += stride) {
       const int t = static_cast<int>(w) / fan_chunks, c = static_cast<int>(w) % fan_chunks;
       if (from_lines) {
