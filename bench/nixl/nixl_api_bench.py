@@ -293,7 +293,11 @@ def initiator(args) -> None:
             free, live = list(reqs), []
             while posted < n or live:
                 while posted < n and free:  # repost only a request that completed
-                    req = free.pop()
+                    # lifo: the request that completed last (a system whose post
+                    # completes at once reposts one request, one arena slot,
+                    # whose bytes stay in cache); fifo: the one that completed
+                    # first, so every system cycles through all slots.
+                    req = free.pop(-1 if args.slot_order == "lifo" else 0)
                     (free if api.post(req) else live).append(req)
                     posted += 1
                 still = []
@@ -353,7 +357,8 @@ def gpus_of(args, side: int) -> dict:
 
 def worker_args(args, d: str) -> list:
     return ["--dir", d, "--inflight", str(args.inflight), "--lat-iters", str(args.lat_iters),
-            "--bytes-per-point", str(args.bytes_per_point), "--mem", args.mem] \
+            "--bytes-per-point", str(args.bytes_per_point), "--mem", args.mem,
+            "--slot-order", args.slot_order] \
         + (["--gpus", args.gpus] if args.mem == "vram" else []) \
         + (["--no-verify"] if args.no_verify else [])
 
@@ -462,17 +467,20 @@ def print_place(args) -> None:
 
 
 def memory_of(args) -> str:
-    """What the rows move, for the table's header."""
+    """What the rows move (and, with --slot-order fifo, how), for the table's header."""
+    order = ", slots fifo" if args.slot_order == "fifo" else ""
     if args.mem == "dram":
-        return "host memory"
-    return "GPU 0 -> GPU 1, " + ("both GPUs visible" if args.gpus == "both" else "one GPU each")
+        return "host memory" + order
+    return "GPU 0 -> GPU 1, " + ("both GPUs visible" if args.gpus == "both" else
+                                 "one GPU each") + order
 
 
 def write_json(args, runs, med) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": runs, "median": med, "inflight": args.inflight, "mem": args.mem,
-                       "gpus": args.gpus, "place": args.place, "verified": not args.no_verify},
+                       "gpus": args.gpus, "place": args.place, "verified": not args.no_verify,
+                   "slot_order": args.slot_order},
                       f, indent=1)
 
 
@@ -633,6 +641,12 @@ def main() -> None:
                    help="with --mem vram (default both): both = both processes see both GPUs "
                         "(initiator cuda:0, target cuda:1); one-each = the initiator runs with "
                         "CUDA_VISIBLE_DEVICES=0, the target with =1, each on its cuda:0")
+    p.add_argument("--slot-order", choices=["lifo", "fifo"], default="lifo",
+                   help="which completed request is reposted next: lifo (default, as before) "
+                        "the last to complete -- NIXL's CMA put completes inside transfer(), so "
+                        "it reposts one request and rewrites one arena slot whose bytes stay in "
+                        "the CPU's cache; fifo the first to complete, so that every system "
+                        "cycles through all --inflight slots (equal working sets)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the target's check of each workload's bytes (outside the timing)")
     p.add_argument("--side", choices=["initiator", "target"], help=argparse.SUPPRESS)

@@ -312,6 +312,89 @@ TEST_F(TransferTest, AdjacentIovsMergeOnlyWithinOneRegionAndDescriptor) {
   }
 }
 
+// engine.test_yield: a caller that polls large transfers with test() in a
+// tight loop (as NIXL's check_xfer_state loop does) -- its thread gives the
+// CPU up on every poll while the transfer runs -- sees them complete with
+// every byte placed, the option on and off, several in flight; a transfer
+// whose target is killed under it still ends (with a failure) within the
+// deadline; a value that is not a bool is refused with the option's name.
+TEST_F(TransferTest, TightTestLoopsOnLargeTransfersCompleteWithYieldOnAndOff) {
+  {
+    EngineConfig c;
+    c.listen = "127.0.0.1:0";
+    c.options = {{"engine.test_yield", "sometimes"}};
+    auto e = Engine::create(c);
+    ASSERT_FALSE(e.ok()) << "engine.test_yield=sometimes was accepted";
+    EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument) << e.status().to_string();
+    EXPECT_NE(e.status().message().find("engine.test_yield"), std::string::npos)
+        << e.status().to_string();
+  }
+  constexpr size_t kCalls = 4;
+  constexpr uint64_t kIov = 1179648, kIovs = 8, kCall = kIov * kIovs;  // KV pages
+  auto poll = [&](TransferId id) {
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    for (;;) {
+      Status s = engine_->test(id);
+      if (s.code() != StatusCode::kInProgress) return s;
+      if (std::chrono::steady_clock::now() > deadline) return s;
+    }
+  };
+  for (const char* yield : {"true", "false"}) {
+    SCOPED_TRACE(std::string("engine.test_yield=") + yield);
+    ASSERT_NO_FATAL_FAILURE(Connect(kCalls * kCall, {{"engine.test_yield", yield}}));
+    auto buf_owner = std::make_unique<LocalBuffer>(*engine_, kCalls * kCall);
+    LocalBuffer& buf = *buf_owner;
+    std::vector<LocalIov> l(kCalls * kIovs);
+    std::vector<RemoteIov> r(kCalls * kIovs);
+    for (size_t i = 0; i < l.size(); ++i) {
+      l[i] = {buf.data() + i * kIov, kIov};
+      r[i] = {&peer_->rw, i * kIov, kIov};
+    }
+    for (int round = 0; round < 2; ++round) {
+      const uint64_t seed = 9300 + round + (yield[0] == 't' ? 0 : 10);
+      FillPattern(seed, 0, buf.data(), kCalls * kCall);
+      std::vector<TransferId> ids;
+      for (size_t c = 0; c < kCalls; ++c) {
+        auto id = engine_->write_async(pid_, std::span(l).subspan(c * kIovs, kIovs),
+                                       std::span(r).subspan(c * kIovs, kIovs));
+        ASSERT_TRUE(id.ok()) << id.status().to_string();
+        ids.push_back(*id);
+      }
+      for (size_t c = 0; c < kCalls; ++c) {
+        Status s = poll(ids[c]);
+        ASSERT_TRUE(s.ok()) << "write " << c << ": " << s.to_string();
+      }
+      EXPECT_EQ(peer_->Checksum(0, kCalls * kCall), PatternHash(seed, 0, kCalls * kCall));
+      std::memset(buf.data(), 0, kCalls * kCall);
+      ids.clear();
+      for (size_t c = 0; c < kCalls; ++c) {
+        auto id = engine_->read_async(pid_, std::span(l).subspan(c * kIovs, kIovs),
+                                      std::span(r).subspan(c * kIovs, kIovs));
+        ASSERT_TRUE(id.ok()) << id.status().to_string();
+        ids.push_back(*id);
+      }
+      for (size_t c = 0; c < kCalls; ++c) {
+        Status s = poll(ids[c]);
+        ASSERT_TRUE(s.ok()) << "read " << c << ": " << s.to_string();
+      }
+      EXPECT_TRUE(MatchesPattern(seed, 0, buf.data(), kCalls * kCall));
+    }
+    // The target dies under a large write that the loop polls: the loop ends.
+    auto id = engine_->write_async(pid_, l, r);
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    peer_->process().Kill(SIGKILL);
+    Status s = poll(*id);
+    EXPECT_NE(s.code(), StatusCode::kInProgress) << "still running 60 s after the peer died";
+    if (!s.ok()) {
+      EXPECT_TRUE(s.code() == StatusCode::kPeerDisconnected || s.code() == StatusCode::kCancelled)
+          << s.to_string();
+    }
+    buf_owner.reset();  // deregistered before the engine goes
+    engine_.reset();
+    peer_.reset();
+  }
+}
+
 // tcp.busy_poll_us: I/O threads that poll without sleeping for a while after
 // each event move the same bytes (writes and reads of several sizes, with
 // gaps longer than the polling window between some of them); a value that is
