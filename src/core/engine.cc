@@ -25,6 +25,7 @@
 #include "core/region_registry.h"
 #include "core/transfer.h"
 #include "core/transport_set.h"
+#include "core/usable_cpus.h"
 #include "core/version.h"
 #include "cuda/cuda_detect.h"
 #include "ferry/directory.h"
@@ -40,6 +41,22 @@ constexpr size_t kMaxIovsPerCall = 1'000'000;
 
 std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
+}
+
+// engine.test_yield. The yield pays where a polling caller and the threads
+// that copy its transfer share few cores (2 CPUs through NIXL's API: KV pages
+// 7.1 -> 10.5 GB/s, docs/benchmarks.md, "The poller's core"); with more cores
+// nothing waits for the caller's, and the sleep after it would only add time.
+constexpr uint32_t kTestYieldMaxCpus = 7;
+
+Result<bool> parse_test_yield(const std::string& v) {
+  if (v == "auto") return usable_cpus() <= kTestYieldMaxCpus;
+  auto b = parse_bool(v);
+  if (!b.ok()) {
+    return err::InvalidArgument(
+        fmt::format("option engine.test_yield: '{}' is none of auto, true, false", v));
+  }
+  return *b;
 }
 
 }  // namespace
@@ -73,7 +90,9 @@ class Engine::Impl {
     log_to_stderr();
     wait_spin_ = std::chrono::microseconds(options_.get_uint("engine.wait_spin_us"));
     wait_spin_max_bytes_ = options_.get_uint("engine.wait_spin_max_bytes");
-    test_yield_ = options_.get_bool("engine.test_yield");
+    auto test_yield = parse_test_yield(options_.get_string("engine.test_yield"));
+    if (!test_yield.ok()) return test_yield.status();
+    test_yield_ = *test_yield;
     merge_iovs_ = options_.get_bool("engine.merge_iovs");
     windows_.configure(
         {options_.get_uint(kPeerWindowBytesOption), options_.get_uint(kPeerWindowIovsOption)});
@@ -518,7 +537,7 @@ class Engine::Impl {
   LostPeers lost_;  // under peers_mu_
   std::chrono::microseconds wait_spin_{0};
   uint64_t wait_spin_max_bytes_ = 0;  // 0: the transport's wait_spin_max_bytes()
-  bool test_yield_ = true;
+  bool test_yield_ = false;
   bool merge_iovs_ = true;
   std::set<PeerId> known_;
   std::map<PeerId, EngineMetadata> handshake_metadata_;  // under peers_mu_

@@ -22,10 +22,11 @@ const OptionSpec kEngineOptionSpecs[] = {
     {"engine.wait_spin_max_bytes", OptionType::kBytes, "0",
      "wait() spins only on transfers of at most this many bytes; 0: the transport's choice (256 "
      "KiB where host cores copy; any size over cuda_ipc, whose copies run on the GPU)"},
-    {"engine.test_yield", OptionType::kBool, "true",
+    {"engine.test_yield", OptionType::kString, "auto",
      "test() of a running transfer larger than engine.wait_spin_max_bytes gives the calling "
      "thread's CPU up once (sched_yield) before it returns: a caller that polls in a loop "
-     "(NIXL's check_xfer_state) leaves the core to the threads that copy the transfer"},
+     "(NIXL's check_xfer_state) leaves the core to the threads that copy the transfer. auto: on "
+     "with fewer than 8 usable CPUs, where that loop and those threads share the cores"},
     {kGpuSameHostPathOption, OptionType::kString, "auto",
      "how GPU memory moves between engines of one host: auto (cuda_ipc where it connects, else "
      "staged through shm's shared host memory, never loopback tcp while shm is connected), or "
