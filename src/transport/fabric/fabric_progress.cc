@@ -166,11 +166,13 @@ size_t FabricTransport::read_cq_error_locked() {
     std::string msg = fmt::format("fabric: {} to {} failed: {} (provider: {})", what, who,
                                   fi_error(e.err), text ? text : "?");
     Status why;
-    if (op->kind == Op::kRma &&
+    if (op->kind == Op::kRma && e.err != FI_ECANCELED &&
         (e.prov_errno == ENOENT || e.err == FI_EKEYREJECTED || e.err == FI_EACCES)) {
       // The target's provider no longer knows the key: the region was
       // deregistered while the op was on its way (its REVOKE may still be
-      // behind this completion).
+      // behind this completion). Not a cancel: tcp;ofi_rxm cancels the ops of
+      // a connection whose peer died with ENOENT too, and that is a
+      // disconnect, not a refusal.
       why = err::NotFound(
           fmt::format("fabric: region {} on {} refused the {} (deregistered while in flight?): {} "
                       "(provider: {})",
