@@ -2,9 +2,6 @@
 // notification queue, and routes work to the transport chosen per peer.
 #include "ferry/engine.h"
 
-#include <sched.h>
-#include <sys/prctl.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -21,11 +18,11 @@
 #include "core/notification_queue.h"
 #include "core/options.h"
 #include "core/peer_window.h"
+#include "core/poll_yield.h"
 #include "core/random_bytes.h"
 #include "core/region_registry.h"
 #include "core/transfer.h"
 #include "core/transport_set.h"
-#include "core/usable_cpus.h"
 #include "core/version.h"
 #include "cuda/cuda_detect.h"
 #include "ferry/directory.h"
@@ -41,22 +38,6 @@ constexpr size_t kMaxIovsPerCall = 1'000'000;
 
 std::string hex_id(uint64_t id) {
   return fmt::format("{:016x}", id);
-}
-
-// engine.test_yield. The yield pays where a polling caller and the threads
-// that copy its transfer share few cores (2 CPUs through NIXL's API: KV pages
-// 7.1 -> 10.5 GB/s, docs/benchmarks.md, "The poller's core"); with more cores
-// nothing waits for the caller's, and the sleep after it would only add time.
-constexpr uint32_t kTestYieldMaxCpus = 7;
-
-Result<bool> parse_test_yield(const std::string& v) {
-  if (v == "auto") return usable_cpus() <= kTestYieldMaxCpus;
-  auto b = parse_bool(v);
-  if (!b.ok()) {
-    return err::InvalidArgument(
-        fmt::format("option engine.test_yield: '{}' is none of auto, true, false", v));
-  }
-  return *b;
 }
 
 }  // namespace
@@ -758,34 +739,14 @@ Status Engine::test(TransferId transfer) {
     if (t->finished()) t = impl_->transfers_.find(transfer, &taken);
     if (!t) return Impl::unknown_transfer(transfer);
   }
-  // Whether this thread gave its core up (below) since it last slept.
-  thread_local bool yielded = false;
   if (!taken) {
     // A large transfer is copied by transport threads (on one host: the
     // peer's), and a caller that polls it in a loop would keep a core from
-    // them where cores are few (two: docs/benchmarks.md, "The poller's
-    // core"). sched_yield returns at once where nothing else waits for
-    // this core.
-    if (!small && t->transport != nullptr && impl_->test_yield_) {
-      sched_yield();
-      yielded = true;
-    }
+    // them where cores are few (core/poll_yield.h).
+    if (!small && t->transport != nullptr && impl_->test_yield_) yield_to_copiers();
     return Status(StatusCode::kInProgress, "");
   }
-  if (yielded) {
-    // Each yield that let another thread run moved this thread's place in
-    // the scheduler's queue (EEVDF: its deadline) one time slice back, and
-    // only a sleep puts it back: without one, every thread that wakes on
-    // this core afterwards runs first, and this thread's next small
-    // transfers wait for them (blocking 4 KiB p99 ~60 us instead of ~5).
-    // So one sleep of ~1 us when a transfer is seen done.
-    yielded = false;
-    const int slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
-    (void)prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0);
-    const timespec brief{0, 1000};
-    (void)nanosleep(&brief, nullptr);
-    if (slack > 0) (void)prctl(PR_SET_TIMERSLACK, slack, 0, 0, 0);
-  }
+  settle_after_yields();
   return t->status();
 }
 

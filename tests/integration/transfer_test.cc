@@ -350,33 +350,28 @@ TEST_F(TransferTest, TightTestLoopsOnLargeTransfersCompleteWithYieldOnAndOff) {
       l[i] = {buf.data() + i * kIov, kIov};
       r[i] = {&peer_->rw, i * kIov, kIov};
     }
+    // kCalls writes (or reads) in flight, then each polled to its end.
+    auto post_and_poll = [&](bool write) {
+      std::vector<TransferId> ids;
+      for (size_t c = 0; c < kCalls; ++c) {
+        const auto lc = std::span(l).subspan(c * kIovs, kIovs);
+        const auto rc = std::span(r).subspan(c * kIovs, kIovs);
+        auto id = write ? engine_->write_async(pid_, lc, rc) : engine_->read_async(pid_, lc, rc);
+        ASSERT_TRUE(id.ok()) << id.status().to_string();
+        ids.push_back(*id);
+      }
+      for (size_t c = 0; c < kCalls; ++c) {
+        Status s = poll(ids[c]);
+        ASSERT_TRUE(s.ok()) << (write ? "write " : "read ") << c << ": " << s.to_string();
+      }
+    };
     for (int round = 0; round < 2; ++round) {
       const uint64_t seed = 9300 + round + (yield[0] == 't' ? 0 : 10);
       FillPattern(seed, 0, buf.data(), kCalls * kCall);
-      std::vector<TransferId> ids;
-      for (size_t c = 0; c < kCalls; ++c) {
-        auto id = engine_->write_async(pid_, std::span(l).subspan(c * kIovs, kIovs),
-                                       std::span(r).subspan(c * kIovs, kIovs));
-        ASSERT_TRUE(id.ok()) << id.status().to_string();
-        ids.push_back(*id);
-      }
-      for (size_t c = 0; c < kCalls; ++c) {
-        Status s = poll(ids[c]);
-        ASSERT_TRUE(s.ok()) << "write " << c << ": " << s.to_string();
-      }
+      ASSERT_NO_FATAL_FAILURE(post_and_poll(true));
       EXPECT_EQ(peer_->Checksum(0, kCalls * kCall), PatternHash(seed, 0, kCalls * kCall));
       std::memset(buf.data(), 0, kCalls * kCall);
-      ids.clear();
-      for (size_t c = 0; c < kCalls; ++c) {
-        auto id = engine_->read_async(pid_, std::span(l).subspan(c * kIovs, kIovs),
-                                      std::span(r).subspan(c * kIovs, kIovs));
-        ASSERT_TRUE(id.ok()) << id.status().to_string();
-        ids.push_back(*id);
-      }
-      for (size_t c = 0; c < kCalls; ++c) {
-        Status s = poll(ids[c]);
-        ASSERT_TRUE(s.ok()) << "read " << c << ": " << s.to_string();
-      }
+      ASSERT_NO_FATAL_FAILURE(post_and_poll(false));
       EXPECT_TRUE(MatchesPattern(seed, 0, buf.data(), kCalls * kCall));
     }
     // The target dies under a large write that the loop polls: the loop ends.
