@@ -109,6 +109,7 @@ __global__ void __launch_bounds__(kMoeThreadsPerBlock, 1) combine_kernel(MoeKern
   const unsigned out_base =
       a.num_tokens <= a.ll_tokens && units + out_units <= static_cast<unsigned>(g.warps) ? units
                                                                                          : 0u;
+  // Warps below out_base wrap to a w past out_units: they take no unit here.
   for (unsigned w = static_cast<unsigned>(g.warp) - out_base; w < out_units;
        w += static_cast<unsigned>(g.warps)) {
     const int t = static_cast<int>(w / static_cast<unsigned>(out_chunks));
