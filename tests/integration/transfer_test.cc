@@ -390,38 +390,52 @@ TEST_F(TransferTest, TightTestLoopsOnLargeTransfersCompleteWithYieldOnAndOff) {
   }
 }
 
-// tcp.busy_poll_us: I/O threads that poll without sleeping for a while after
-// each event move the same bytes (writes and reads of several sizes, with
-// gaps longer than the polling window between some of them); a value that is
-// neither "auto" nor microseconds is refused with the option's name.
+// tcp.busy_poll_us and tcp.serve_poll_us: I/O threads that poll without
+// sleeping for a while after each event, or only after serving a request,
+// move the same bytes (writes and reads of several sizes, with gaps longer
+// than the polling window between some of them); a value that is neither
+// "auto" nor microseconds is refused with the option's name.
 TEST_F(TransferTest, TcpBusyPollingMovesEveryByteAndBadValuesAreRefused) {
-  for (const char* bad : {"soon", "-5", "12us", "2000000"}) {
-    EngineConfig c;
-    c.listen = "127.0.0.1:0";
-    c.options = {{"tcp.busy_poll_us", bad}};
-    auto e = Engine::create(c);
-    ASSERT_FALSE(e.ok()) << "tcp.busy_poll_us=" << bad << " was accepted";
-    EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument) << e.status().to_string();
-    EXPECT_NE(e.status().message().find("tcp.busy_poll_us"), std::string::npos)
-        << e.status().to_string();
+  for (const char* option : {"tcp.busy_poll_us", "tcp.serve_poll_us"}) {
+    for (const char* bad : {"soon", "-5", "12us", "2000000"}) {
+      EngineConfig c;
+      c.listen = "127.0.0.1:0";
+      c.options = {{option, bad}};
+      auto e = Engine::create(c);
+      ASSERT_FALSE(e.ok()) << option << "=" << bad << " was accepted";
+      EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument) << e.status().to_string();
+      EXPECT_NE(e.status().message().find(option), std::string::npos) << e.status().to_string();
+    }
   }
-  Connect(8 << 20, {{"tcp.busy_poll_us", "300"}});
-  LocalBuffer buf(*engine_, 8 << 20);
+  // Both engines: the initiator's I/O threads handle answers, the peer's
+  // (the target) requests.
+  const std::vector<std::map<std::string, std::string>> settings = {
+      {{"tcp.busy_poll_us", "300"}},
+      {{"tcp.busy_poll_us", "0"}, {"tcp.serve_poll_us", "300"}},
+  };
   uint64_t seed = 500;
-  for (uint64_t size : {uint64_t{1}, uint64_t{4096}, uint64_t{65536 + 7}, uint64_t{3 << 20}}) {
-    for (int round = 0; round < 3; ++round) {
-      SCOPED_TRACE(std::to_string(size) + " B, round " + std::to_string(round));
-      if (round == 2) std::this_thread::sleep_for(std::chrono::milliseconds(2));  // past the window
-      FillPattern(++seed, 0, buf.data(), size);
-      LocalIov l{buf.data(), size};
-      RemoteIov r{&peer_->rw, 4096, size};
-      Status s = engine_->write(pid_, {&l, 1}, {&r, 1}, std::nullopt, 30s);
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      EXPECT_EQ(peer_->Checksum(4096, size), PatternHash(seed, 0, size));
-      std::memset(buf.data(), 0, size);
-      s = engine_->read(pid_, {&l, 1}, {&r, 1}, 30s);
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      EXPECT_TRUE(MatchesPattern(seed, 0, buf.data(), size));
+  for (const auto& options : settings) {
+    std::vector<std::string> peer_options;
+    for (const auto& [name, value] : options) peer_options.push_back(name + "=" + value);
+    SCOPED_TRACE(peer_options.back());
+    ASSERT_NO_FATAL_FAILURE(Connect(8 << 20, options, peer_options));
+    LocalBuffer buf(*engine_, 8 << 20);
+    for (uint64_t size : {uint64_t{1}, uint64_t{4096}, uint64_t{65536 + 7}, uint64_t{3 << 20}}) {
+      for (int round = 0; round < 3; ++round) {
+        SCOPED_TRACE(std::to_string(size) + " B, round " + std::to_string(round));
+        if (round == 2)
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));  // past the window
+        FillPattern(++seed, 0, buf.data(), size);
+        LocalIov l{buf.data(), size};
+        RemoteIov r{&peer_->rw, 4096, size};
+        Status s = engine_->write(pid_, {&l, 1}, {&r, 1}, std::nullopt, 30s);
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        EXPECT_EQ(peer_->Checksum(4096, size), PatternHash(seed, 0, size));
+        std::memset(buf.data(), 0, size);
+        s = engine_->read(pid_, {&l, 1}, {&r, 1}, 30s);
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        EXPECT_TRUE(MatchesPattern(seed, 0, buf.data(), size));
+      }
     }
   }
 }

@@ -153,24 +153,26 @@ void Worker::run() {
   epoll_event events[64];
   int timeout_ms = -1;
   auto next_handshake_check = std::chrono::steady_clock::time_point{};
-  // Busy polling: for busy_poll after the last event, epoll is asked without
-  // sleeping, so the next frame of a round trip finds the thread awake.
+  // Polling instead of sleeping (SpinWindow): for busy_poll after any event,
+  // and for serve_poll after serving a peer's request, so that the next
+  // frame of a round trip finds the thread awake.
   const auto busy_poll = transport_.options().busy_poll;
-  auto last_event = std::chrono::steady_clock::time_point{};
+  const auto serve_poll = transport_.options().serve_poll;
   while (!stop_.load(std::memory_order_relaxed)) {
-    const bool spinning =
-        busy_poll.count() > 0 && std::chrono::steady_clock::now() - last_event < busy_poll;
+    const auto round_start = std::chrono::steady_clock::now();
+    const bool spinning = spin_.spinning(round_start);
     const int n = epoll_wait(epfd_, events, 64, spinning ? 0 : timeout_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
       spdlog::error("ferry tcp: epoll_wait failed in worker {}: {}", index_, errno_text(errno));
       return;
     }
-    if (n > 0 && busy_poll.count() > 0) last_event = std::chrono::steady_clock::now();
     if (n == 0 && spinning && !handshaking_.load(std::memory_order_relaxed)) {
+      spin_.idle_round(round_start, std::chrono::steady_clock::now());
       cpu_relax();
       continue;
     }
+    if (n > 0 && busy_poll.count() > 0) spin_.arm(std::chrono::steady_clock::now(), busy_poll);
     for (int i = 0; i < n; ++i) {
       auto* tag = static_cast<EpollTag*>(events[i].data.ptr);
       if (tag->kind == EpollTag::kWake) {
@@ -191,6 +193,10 @@ void Worker::run() {
         continue;
       }
       if (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) transport_.on_readable(*s);
+    }
+    if (served_request_) {
+      served_request_ = false;
+      if (serve_poll.count() > 0) spin_.arm(std::chrono::steady_clock::now(), serve_poll);
     }
     std::vector<std::shared_ptr<Stream>> to_flush;
     std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<StagingSlot>>> to_resume;
@@ -353,7 +359,9 @@ bool TcpTransport::rx_header(Stream& s) {
     fail_stream(s, v);
     return false;
   }
-  s.rx_traced = (s.hdr.flags & kFlagTrace) && is_request(static_cast<Op>(s.hdr.op));
+  const bool request = is_request(static_cast<Op>(s.hdr.op));
+  if (request) s.worker->note_request();
+  s.rx_traced = (s.hdr.flags & kFlagTrace) && request;
   if (s.rx_traced) [[unlikely]] {
     s.rx_stamps = {};
     s.rx_stamps[target_stamp(TraceStage::kFrameReceived)] = trace_now_ns();

@@ -62,6 +62,12 @@ const OptionSpec kTcpOptionSpecs[] = {
      "once idle for tens of microseconds, on each side of a round trip. auto: 500 where the "
      "process may use 8 CPUs or more, else 0 (never spin: the threads would take the cores "
      "the other side needs)"},
+    {"tcp.serve_poll_us", OptionType::kString, "auto",
+     "after an I/O thread began serving a peer's request, how long (microseconds) it polls its "
+     "sockets without sleeping, so that the next request of a round trip finds it awake (the "
+     "target's side; the initiator's caller spins in wait() itself). A thread that finds itself "
+     "descheduled while polling sleeps between events for 20 ms. auto: 50 where the process may "
+     "use fewer than 8 CPUs (there tcp.busy_poll_us is 0), else 0 (tcp.busy_poll_us covers it)"},
     {"tcp.handshake_revision", OptionType::kUint, "2",
      "highest handshake revision this engine offers and accepts: 2 carries both engines' "
      "metadata on a connection's first stream, so that connect by host:port reaches every "
@@ -90,22 +96,37 @@ uint32_t default_io_threads() {
   return static_cast<uint32_t>(std::clamp<uint32_t>(usable_cpus() / 4, 1, 4));
 }
 
-// tcp.busy_poll_us: "auto" or a count of microseconds.
-Result<std::chrono::microseconds> parse_busy_poll(const std::string& v) {
-  // 500 us: an I/O thread serves every few transfers of a peer (the streams
-  // are spread over the workers), so it must keep spinning across several
-  // transfer times. With 200 us, blocking 4 KiB GPU->GPU writes (~40 us each,
-  // 4 workers) left gaps near the window: a worker that fell asleep woke
-  // 10-25 us late on each wire leg, which slowed the next transfers and so
-  // made more gaps -- p50 40 us in some runs, 64-111 us in others (H100).
-  if (v == "auto") return std::chrono::microseconds(usable_cpus() >= 8 ? 500 : 0);
+// A polling window: "auto" (`automatic`) or a count of microseconds.
+Result<std::chrono::microseconds> parse_poll_us(const char* name, const std::string& v,
+                                                std::chrono::microseconds automatic) {
+  if (v == "auto") return automatic;
   char* end = nullptr;
   const unsigned long long us = std::strtoull(v.c_str(), &end, 10);
   if (v.empty() || end == v.c_str() || *end != 0 || v[0] == '-' || us > 1000000) {
-    return err::InvalidArgument("tcp.busy_poll_us=" + v +
-                                ": expected auto or microseconds (0 to 1000000)");
+    return err::InvalidArgument(
+        fmt::format("option {}: '{}' is neither auto nor microseconds (0 to 1000000)", name, v));
   }
   return std::chrono::microseconds(us);
+}
+
+// tcp.busy_poll_us=auto: 500 us with 8 CPUs or more. An I/O thread serves
+// every few transfers of a peer (the streams are spread over the workers), so
+// it must keep spinning across several transfer times. With 200 us, blocking
+// 4 KiB GPU->GPU writes (~40 us each, 4 workers) left gaps near the window: a
+// worker that fell asleep woke 10-25 us late on each wire leg, which slowed the
+// next transfers and so made more gaps -- p50 40 us in some runs, 64-111 us in
+// others (H100). Below 8 CPUs, 0: pollers on both sides took the cores the
+// caller and the peer needed (a 4 KiB round trip 42 -> 118 us on 2 CPUs).
+std::chrono::microseconds auto_busy_poll() {
+  return std::chrono::microseconds(usable_cpus() >= 8 ? 500 : 0);
+}
+
+// tcp.serve_poll_us=auto: below 8 CPUs only the target's side polls, after a
+// request: there blocking 4 KiB writes between two network namespaces took
+// 33 -> 14 us p50 on 2 CPUs (docs/benchmarks.md, "tcp: the target polls after
+// serving a request"). With 8 or more, busy_poll covers every event.
+std::chrono::microseconds auto_serve_poll() {
+  return std::chrono::microseconds(usable_cpus() >= 8 ? 0 : 50);
 }
 }  // namespace
 
@@ -121,9 +142,14 @@ Status TcpTransport::start(const TransportContext& context) {
   opt_.streams = static_cast<uint32_t>(o.get_uint("tcp.streams"));
   opt_.io_threads = static_cast<uint32_t>(o.get_uint("tcp.io_threads"));
   if (opt_.io_threads == 0) opt_.io_threads = default_io_threads();
-  auto busy_poll = parse_busy_poll(o.get_string("tcp.busy_poll_us"));
+  auto busy_poll =
+      parse_poll_us("tcp.busy_poll_us", o.get_string("tcp.busy_poll_us"), auto_busy_poll());
   if (!busy_poll.ok()) return busy_poll.status();
   opt_.busy_poll = *busy_poll;
+  auto serve_poll =
+      parse_poll_us("tcp.serve_poll_us", o.get_string("tcp.serve_poll_us"), auto_serve_poll());
+  if (!serve_poll.ok()) return serve_poll.status();
+  opt_.serve_poll = *serve_poll;
   // A stream's sends and receives are serial (one copy in the kernel at a
   // time), so a peer gets a stream per I/O thread: on a 16-core H100 host, 4
   // streams instead of 2 doubled 1 MiB reads (8.0 -> 14.6-15.9 GB/s host,

@@ -28,7 +28,9 @@
 #include <vector>
 
 #include "core/log_limiter.h"
+#include "core/spin_window.h"
 #include "core/stage_trace.h"
+#include "core/usable_cpus.h"
 #include "transport/common/gpu_staging.h"
 #include "transport/tcp/iov_cursor.h"
 #include "transport/tcp/socket_util.h"
@@ -47,6 +49,9 @@ struct TcpOptions {
   uint32_t streams = 2;
   uint32_t io_threads = 1;                 // resolved from tcp.io_threads (0: by CPU count)
   std::chrono::microseconds busy_poll{0};  // resolved from tcp.busy_poll_us
+  // After serving a peer's request (the target side of a round trip; the
+  // initiator's caller spins in wait() itself): tcp.serve_poll_us resolved.
+  std::chrono::microseconds serve_poll{0};
   uint64_t chunk_bytes = 1 << 20;
   uint32_t max_segments = 256;
   std::chrono::milliseconds connect_timeout{5000};
@@ -240,6 +245,9 @@ class Worker {
   // resumes the stream's receive (TcpTransport::resume_receive).
   void request_resume(std::shared_ptr<Stream> stream, std::unique_ptr<StagingSlot> slot);
   int index() const { return index_; }
+  // This loop has begun receiving a peer's request (its thread only): it
+  // polls for serve_poll after the batch (TcpOptions::serve_poll).
+  void note_request() { served_request_ = true; }
   uint8_t* discard_buffer() { return discard_.data(); }
   size_t discard_size() const { return discard_.size(); }
 
@@ -268,6 +276,8 @@ class Worker {
   std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<StagingSlot>>>
       resume_requests_;  // guarded by mu_
   std::vector<uint8_t> discard_;
+  SpinWindow spin_{usable_cpus()};  // this thread's only
+  bool served_request_ = false;     // this thread's only
 };
 
 // At most this many lines about hostile connections per window, one
