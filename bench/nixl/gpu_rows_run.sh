@@ -15,7 +15,10 @@
 #   run(command="bench/nixl/gpu_rows_run.sh", kind="nvidia-h200-x2",
 #       carry=[".devcarry/root", ".devcarry/wheels-nixl"])
 # (.devcarry/: bench/device/prepare.sh --nixl, here.) GPUS_MODES (default "both
-# one-each") picks the launches, SYSTEMS (default nixl,ferry) the systems,
+# one-each") picks the launches; HOST_PLACES (default none; "host netns") adds
+# the host-memory rows (--mem dram) on this machine's CPUs, between processes of
+# one host and between two network namespaces (root, iproute2), results in
+# nixl_api_dram_{host,netns}.*; SYSTEMS (default nixl,ferry) the systems,
 # BENCH_ARGS replace "--rounds 3 --bytes-per-point 1e10 --lat-iters 3000"; each
 # launch is cut at RUN_LIMIT_S (default 200). FERRY_PYTHONPATH=DIR skips the build.
 set -uo pipefail
@@ -55,23 +58,26 @@ nixl_env "$PY" "$O/pip.txt" || { tail -5 "$O/pip.txt"; exit 1; }
 PYTHONPATH=$FERRY_PYTHONPATH "$BPY" -c "import ferry; print('ferry', ferry.version(), ferry.__file__, '| cuda:', ferry.cuda_available(), ferry.cuda_unavailable_reason())" 2>&1 | tee -a "$O/pip.txt"
 echo "set-up done at $((SECONDS - t0)) s"
 
-# --- 3. the two launches -----------------------------------------------------------------
+# --- 3. the launches ---------------------------------------------------------------------
 rc=0
-for g in ${GPUS_MODES:-both one-each}; do
+rows=()
+for g in ${GPUS_MODES-both one-each}; do rows+=("nixl_api_vram_${g//-/_}|--mem vram --gpus $g"); done
+for p in ${HOST_PLACES:-}; do rows+=("nixl_api_dram_$p|--mem dram --place $p"); done
+for row in "${rows[@]}"; do
+  name=${row%%|*} args=${row#*|}
   left=$((LIMIT - (SECONDS - t0)))
-  if (( left < 60 )); then echo "--gpus $g: NOT RUN, $left s left of the command's limit"; rc=1; continue; fi
+  if (( left < 60 )); then echo "$args: NOT RUN, $left s left of the command's limit"; rc=1; continue; fi
   lim=${RUN_LIMIT_S:-200}
   (( lim > left )) && lim=$left
-  name=nixl_api_vram_${g//-/_}
-  echo "--- --mem vram --gpus $g (at $((SECONDS - t0)) s, limit $lim s)"
+  echo "--- $args (at $((SECONDS - t0)) s, limit $lim s)"
   # shellcheck disable=SC2086
   timeout -k 10 "$lim" "$PY" bench/nixl/nixl_api_bench.py --nixl-python "$BPY" --ferry-python "$BPY" \
-    --systems "${SYSTEMS:-nixl,ferry}" --mem vram --gpus "$g" \
+    --systems "${SYSTEMS:-nixl,ferry}" $args \
     ${BENCH_ARGS:---rounds 3 --bytes-per-point 1e10 --lat-iters 3000} --json "$O/$name.json" \
     > "$O/$name.txt" 2> "$O/$name.log"
   r=$?
   cat "$O/$name.txt"
-  if [ $r -ne 0 ]; then rc=1; echo "--gpus $g: exit $r"; tail -30 "$O/$name.log"; fi
+  if [ $r -ne 0 ]; then rc=1; echo "$args: exit $r"; tail -30 "$O/$name.log"; fi
 done
 echo "total $((SECONDS - t0)) s, rc $rc"
 exit $rc

@@ -333,11 +333,14 @@ def place_of(args, side: int) -> tuple[list, dict]:
     and both systems keep to the network: NIXL's UCX to tcp on the veth
     (UCX_TLS=tcp, UCX_NET_DEVICES), Ferry to tcp on the veth's address
     (FERRY_ENGINE_TRANSPORTS=tcp, FERRY_NIXL_LISTEN), so neither takes a same-host
-    path that two hosts would not have."""
+    path that two hosts would not have. On a machine with NVIDIA GPUs NIXL refuses
+    UCX_TLS=tcp alone ("does not enable CUDA memory support"): there cuda_copy is
+    added, which moves no host memory between processes."""
     if args.place != "netns":
         return [], {}
+    tls = "tcp,cuda_copy" if os.path.exists("/dev/nvidia0") else "tcp"
     return netns.prefix("netns", side), {
-        "UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.VETH[side],
+        "UCX_TLS": tls, "UCX_NET_DEVICES": netns.VETH[side],
         "FERRY_ENGINE_TRANSPORTS": "tcp", "FERRY_NIXL_LISTEN": f"{netns.ADDR[side]}:0"}
 
 
