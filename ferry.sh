@@ -164,9 +164,11 @@ run_tests() {
   local status=0 t0=$SECONDS
   (cd "$BUILD" && ctest --output-on-failure -j2 --timeout 600 "$@") || status=$?
   log "C++ tests: $((SECONDS - t0)) s"
-  # The suites' second runs with shm's request ring (/shm-ring,
-  # /shm-staging-ring) are left out here: the ring's own tests
-  # (shm_request_ring_test, request_ring_test) still run under the sanitizers.
+  # The suites' second runs with shm's small requests as socket frames
+  # (/shm-socket, /shm-staging-socket; the request rings are the default) are
+  # left out here: the default runs cover the rings, and the socket path's own
+  # tests (the failure suites' shm runs before the ring was default, wire and
+  # handshake tests) are small beside them.
   log "C++ unit and integration tests again under AddressSanitizer + UBSan"
   t0=$SECONDS
   if [ ! -f "$BUILD-asan/build.ninja" ]; then
@@ -175,7 +177,7 @@ run_tests() {
   fi
   if ninja -C "$BUILD-asan" -j"$JOBS" >/dev/null; then
     (cd "$BUILD-asan" && ctest --output-on-failure -j2 --timeout 600 -L "unit|integration" \
-      -E "/shm-(staging-)?ring$") || status=$?
+      -E "/shm-(staging-)?socket$") || status=$?
   else
     log "sanitizer build failed"; status=1
   fi

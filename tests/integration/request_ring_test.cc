@@ -4,8 +4,9 @@
 // lost), notifications after their data and in order across ring and socket,
 // deregistration while ring requests flow (later ones refused NotFound), and
 // the target killed while a ring request waits. Every byte is checked, with
-// guard bytes around each local transfer. The conformance suites run with
-// the ring too (tests/integration/CMakeLists.txt: the /shm-ring variants).
+// guard bytes around each local transfer. The ring is the default, so the
+// conformance suites run with it; their /shm-socket variants run without
+// (tests/integration/CMakeLists.txt).
 #include <signal.h>
 
 #include <atomic>

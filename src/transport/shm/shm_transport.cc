@@ -85,9 +85,10 @@ const OptionSpec kShmOptionSpecs[] = {
      "instead of socket frames: the waiting caller reads its answer there without a system call, "
      "and the target polls the ring while it busy-polls (shm.busy_poll_us); the target checks "
      "and copies them exactly as socket requests. Used on a connection where both engines turn "
-     "it on. auto: on where the process may use 8 CPUs or more (both sides then poll on cores "
-     "of their own), else off; true: on; false: off. GPU memory's staged requests take it "
-     "as host memory's do"},
+     "it on. auto: on where the process may use 2 CPUs or more (measured to pay on 2 as on 64), "
+     "off with one; true: on; false: off (every small request a socket frame). GPU memory's staged "
+     "requests take it as host "
+     "memory's do"},
     {"shm.ring_max_bytes", OptionType::kBytes, "256KiB",
      "the largest request (payload bytes) that goes through the request ring", 0, 1 << 20},
 };
@@ -97,13 +98,15 @@ using namespace internal;  // NOLINT(google-build-using-namespace): this transpo
 
 namespace {
 
-// shm.request_ring. Both sides of a ring poll it, so it pays only where each
-// has a core to poll on: through NIXL's API, a blocking 4 KiB write took
-// 12.3 -> 5.7 us (64 CPUs) and 13.2 -> 7.7 us (32 CPUs) with it, the
-// bandwidth rows level or better, but 24.3 -> 66.1 us on 2 CPUs
-// (docs/benchmarks.md, "shm: small requests through the request ring").
-constexpr uint32_t kRingMinCpus = 8;
-
+// shm.request_ring. Through NIXL's API a blocking 4 KiB write took
+// 12.3 -> 5.7 us (64 CPUs) and 13.2 -> 7.7 us (32 CPUs) with it, the bandwidth
+// rows level or better. On 2 CPUs it was left off after one run beside two CPU
+// hogs (58 us against 8.4); later runs found both settings bimodal there
+// (ring 3.9 / 58.3 / 4.1 us, socket 57.6 / 61.9 / 8.7) and the ring 2.2 x
+// faster on the idle machine (3.7-4.0 against 8.2-8.5 us): on from 2 CPUs
+// (with one, the two sides could not both poll; docs/benchmarks.md, "shm: the
+// request ring on by default on 2 CPUs too").
+constexpr uint32_t kRingMinCpus = 2;
 Result<bool> parse_request_ring(const std::string& v) {
   if (v == "auto") return usable_cpus() >= kRingMinCpus;
   auto b = parse_bool(v);
