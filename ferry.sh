@@ -228,7 +228,7 @@ TSAN_PROGRAMS=(base64_test codec_test crc32_test engine_config_test options_test
   random_bytes_test region_registry_test shm_staging_test shm_transport_test shm_wire_test
   siphash_test stage_trace_test staging_pool_test transfer_status_test transfer_table_test
   transport_route_test ferry_test_peer transfer_test peer_failure_test)
-TSAN_INTEGRATION='^(TransferTest[.]CancelledWriteNeverOverwritesALaterWrite/tcp|TransferTest[.]TcpRequestHeldByTheCancelFenceFailsWhenThePeerDies|TransferTest[.]CancelLargeWrite(/shm-staging)?|TransferTest[.]ConcurrentThreadsToTwoPeers(/tcp)?|PeerFailure[.]EngineDestroyedWithTransfersInFlight(/tcp)?)$'
+TSAN_INTEGRATION='^(TransferTest[.]CancelledWriteNeverOverwritesALaterWrite/tcp|TransferTest[.]TcpRequestHeldByTheCancelFenceFailsWhenThePeerDies|TransferTest[.]CancelLargeWrite(/shm-staging)?|TransferTest[.]ConcurrentThreadsToTwoPeers(/tcp)?|PeerFailure[.]EngineDestroyedWithTransfersInFlight(/tcp)?|PeerFailure[.]DepartedPeersLeaveNoFabricAddressEntries/fabric)$'
 
 run_tsan_tests() {
   local dir=$BUILD-tsan t0=$SECONDS status=0

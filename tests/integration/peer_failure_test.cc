@@ -214,5 +214,72 @@ TEST(PeerFailure, EngineDestroyedWithTransfersInFlight) {
   ASSERT_NO_FATAL_FAILURE(ExpectRoundTrip(*other, *target, *pid, small, 30));
 }
 
+// One of fabric's counters (av_entries: its address vector's entries;
+// queued_sends: messages waiting for room), or nullopt where fabric does not
+// run.
+std::optional<uint64_t> FabricCounter(const Engine& e, const std::string& counter) {
+  for (const auto& t : e.transports()) {
+    if (t.name != "fabric" || !t.running) continue;
+    for (const auto& [name, value] : t.counters) {
+      if (name == counter) return value;
+    }
+  }
+  return std::nullopt;
+}
+
+// Peers that come and go leave nothing behind in fabric: each connect inserts
+// the peer's address into the address vector, and the entry goes once the
+// peer has left (a clean exit's BYE, or a kill found by the keepalive) and
+// nothing refers to it any more; messages to it that waited for room (a dead
+// peer never makes any) are dropped. Before, every peer ever connected kept
+// its entry for the engine's life, and the keepalive's pings to killed peers
+// queued forever (8 peers: 4 entries and 24 messages left). A thread's lookup
+// cache holds the last peer it looked up until its next lookup, so an entry
+// may remain for each of the (few) threads that look peers up: at most 2 here.
+TEST(PeerFailure, DepartedPeersLeaveNoFabricAddressEntries) {
+  auto engine = MakeEngine({{"fabric.peer_timeout_ms", "300"}});
+  ASSERT_TRUE(engine);
+  if (!FabricCounter(*engine, "av_entries")) {
+    GTEST_SKIP() << "fabric does not run in this variant (the /fabric variant runs it: "
+                    "FERRY_ENGINE_TRANSPORTS=fabric,tcp)";
+  }
+  LocalBuffer small(*engine, 1 << 20);
+  constexpr int kPeers = 8;
+  for (int i = 0; i < kPeers; ++i) {
+    SCOPED_TRACE("peer " + std::to_string(i));
+    auto peer = StartPeer({.size = 4 << 20, .seed = 40u + i});
+    ASSERT_TRUE(peer);
+    auto pid = engine->connect(ByteView(peer->metadata));
+    ASSERT_TRUE(pid.ok()) << pid.status().to_string();
+    ASSERT_NO_FATAL_FAILURE(ExpectRoundTrip(*engine, *peer, *pid, small, 50u + i));
+    if (i % 2 == 0) {
+      EXPECT_EQ(peer->Command("exit"), "BYE");  // a clean exit: its engine says BYE
+    } else {
+      peer->process().Kill(SIGKILL);  // found by the keepalive
+    }
+    ASSERT_TRUE(peer->process().Wait(10s).has_value());
+    // The engine sees it gone: a write fails with PeerDisconnected.
+    const auto deadline = Clock::now() + 10s;
+    Status s;
+    do {
+      LocalIov l{small.data(), 4096};
+      RemoteIov r{&peer->rw, 0, 4096};
+      s = engine->write(*pid, {&l, 1}, {&r, 1}, std::nullopt, 2s);
+      if (s.ok()) std::this_thread::sleep_for(50ms);
+    } while (s.ok() && Clock::now() < deadline);
+    EXPECT_EQ(s.code(), StatusCode::kPeerDisconnected) << s.to_string();
+  }
+  const auto deadline = Clock::now() + 10s;
+  std::optional<uint64_t> left = FabricCounter(*engine, "av_entries");
+  while (left.value_or(0) > 2 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(50ms);
+    left = FabricCounter(*engine, "av_entries");
+  }
+  ASSERT_TRUE(left.has_value());
+  EXPECT_LE(*left, 2u) << kPeers << " peers came and went; address vector entries left: " << *left;
+  EXPECT_EQ(FabricCounter(*engine, "queued_sends").value_or(0), 0u)
+      << "messages to departed peers still wait for room";
+}
+
 }  // namespace
 }  // namespace ferry::itest

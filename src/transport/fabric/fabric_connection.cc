@@ -44,6 +44,38 @@ std::atomic<uint64_t> g_peers_version{0};
 }  // namespace
 
 // Errors a provider reports when the connection to the peer is gone.
+fi_addr_t AvTable::insert(const void* name, int* error) {
+  std::lock_guard lock(mu_);
+  fi_addr_t addr = FI_ADDR_UNSPEC;
+  const int n = av_ ? fi_av_insert(av_, name, 1, &addr, 0, nullptr) : -FI_EINVAL;
+  if (n != 1) {
+    *error = n;
+    return FI_ADDR_UNSPEC;
+  }
+  ++live_;
+  return addr;
+}
+
+void AvTable::remove(fi_addr_t addr) {
+  std::lock_guard lock(mu_);
+  if (av_ == nullptr || addr == FI_ADDR_UNSPEC) return;
+  if (fi_av_remove(av_, &addr, 1, 0) == 0) --live_;
+}
+
+void AvTable::close() {
+  std::lock_guard lock(mu_);
+  av_ = nullptr;
+}
+
+uint64_t AvTable::live() const {
+  std::lock_guard lock(mu_);
+  return live_;
+}
+
+Peer::~Peer() {
+  if (av) av->remove(addr);
+}
+
 bool internal::is_disconnect(int err) {
   switch (err) {
     case FI_ECONNRESET:
@@ -119,16 +151,21 @@ Result<PeerId> FabricTransport::connect(ByteView peer_address, PeerId expected_p
   }
   std::lock_guard connect_lock(connect_mu_);
   if (expected_peer != 0 && is_connected(expected_peer)) return expected_peer;
-  fi_addr_t addr = FI_ADDR_UNSPEC;
-  int n = fi_av_insert(av_, a->name.data(), 1, &addr, 0, nullptr);
   char text[256] = {};
   size_t tlen = sizeof text;
   fi_av_straddr(av_, a->name.data(), text, &tlen);
-  if (n != 1) {
+  int error = 0;
+  // Owned by `pending` from here: removed when it goes (a failed handshake,
+  // or the peer listed already), or with the peer it becomes.
+  auto pending = std::make_shared<Peer>();
+  pending->addr = av_table_->insert(a->name.data(), &error);
+  if (pending->addr == FI_ADDR_UNSPEC) {
     return err::InvalidArgument(
         fmt::format("fabric: cannot insert the peer address {} into the address vector: {}", text,
-                    fi_error(n)));
+                    fi_error(error)));
   }
+  pending->av = av_table_;
+  const fi_addr_t addr = pending->addr;
   const uint64_t request = next_request_.fetch_add(1);
   {
     std::lock_guard lock(peers_mu_);
@@ -140,8 +177,6 @@ Result<PeerId> FabricTransport::connect(ByteView peer_address, PeerId expected_p
   h.provider = ours;
   h.address = ep_name_;
   h.flags = hmem_ ? kHelloHmem : 0;
-  auto pending = std::make_shared<Peer>();
-  pending->addr = addr;
   pending->hmem = (a->flags & kAddressHmem) != 0;
   pending->via = text;
   if (Status s = send(pending, addr, MsgType::kHello, request, encode_hello(h)); !s.ok()) {
@@ -215,6 +250,10 @@ const std::shared_ptr<Peer>& FabricTransport::find_peer(PeerId peer) const {
 Result<std::shared_ptr<Peer>> FabricTransport::live_peer(PeerId peer) const {
   const std::shared_ptr<Peer>& p = find_peer(peer);
   if (!p) {
+    std::lock_guard lock(peers_mu_);
+    if (auto it = departed_.find(peer); it != departed_.end()) {
+      return err::PeerDisconnected(fmt::format("fabric: peer {}: {}", hex_id(peer), it->second));
+    }
     return err::PeerDisconnected(
         fmt::format("fabric: peer {} is not connected (lost or never connected)", hex_id(peer)));
   }
@@ -271,6 +310,24 @@ void FabricTransport::fail_peer(const std::shared_ptr<Peer>& p, const Status& re
     p->dead_reason = reason.message();
     p->grants.clear();
   }
+  {
+    // Unlisted, so that its address vector entry goes with the last op (and
+    // lookup cache) holding it; its reason stays for errors that name it.
+    std::lock_guard lock(peers_mu_);
+    if (auto it = peers_.find(p->id); it != peers_.end() && it->second == p) {
+      peers_.erase(it);
+      peers_changed_locked(nullptr);
+      if (departed_.emplace(p->id, reason.message()).second) {
+        departed_order_.push_back(p->id);
+      } else {
+        departed_[p->id] = reason.message();
+      }
+      while (departed_order_.size() > kDepartedKept) {
+        departed_.erase(departed_order_.front());
+        departed_order_.pop_front();
+      }
+    }
+  }
   p->cv.notify_all();
   Status why = reason.code() == StatusCode::kPeerDisconnected
                    ? reason
@@ -283,6 +340,18 @@ void FabricTransport::fail_peer(const std::shared_ptr<Peer>& p, const Status& re
       if (j->peer == p) mine.push_back(j);
     }
     failed = mine.size();
+    // Messages to it still waiting for room (the provider said FI_EAGAIN; a
+    // dead peer's connection never makes any) are dropped: each holds the
+    // peer, and with it the peer's address vector entry.
+    for (auto it = send_queue_.begin(); it != send_queue_.end();) {
+      Op* op = *it;
+      if (op->peer != p) {
+        ++it;
+        continue;
+      }
+      it = send_queue_.erase(it);
+      on_completion(op, why);
+    }
     for (auto& j : mine) {
       // Nothing more of it is posted (see cancel()). What the provider holds
       // already may still write its buffers -- a stopped peer resumes and
@@ -342,16 +411,22 @@ Status FabricTransport::handle(const Header& h, ByteView body) {
   if (type == MsgType::kHello) {
     auto hello = decode_hello(body);
     if (!hello.ok()) return hello.status();
-    fi_addr_t addr = FI_ADDR_UNSPEC;
-    if (fi_av_insert(av_, hello->address.data(), 1, &addr, 0, nullptr) != 1) {
-      return err::ProtocolError("fabric: HELLO carries an address the provider rejects");
+    auto p = std::make_shared<Peer>();
+    int error = 0;
+    p->addr = av_table_->insert(hello->address.data(), &error);
+    if (p->addr == FI_ADDR_UNSPEC) {
+      return err::ProtocolError(fmt::format(
+          "fabric: HELLO carries an address the provider rejects: {}", fi_error(error)));
     }
+    p->av = av_table_;
+    const fi_addr_t addr = p->addr;
+    // The answer goes to this entry, so its owner lives until the send is done
+    // even where the peer turns out to be listed already.
+    const std::shared_ptr<Peer> hello_peer = p;
     char text[256] = {};
     size_t tlen = sizeof text;
     fi_av_straddr(av_, hello->address.data(), text, &tlen);
-    auto p = std::make_shared<Peer>();
     p->id = h.sender;
-    p->addr = addr;
     p->via = text;
     p->hmem = (hello->flags & kHelloHmem) != 0;
     p->last_heard.store(now_ns());
@@ -380,7 +455,7 @@ Status FabricTransport::handle(const Header& h, ByteView body) {
         p->last_heard.store(now_ns());
       }
     }
-    (void)send(p, addr, MsgType::kHelloAck, h.request, encode_status(verdict));
+    (void)send(hello_peer, addr, MsgType::kHelloAck, h.request, encode_status(verdict));
     if (fresh) ctx_.events->on_peer_up(h.sender);
     return Status::Ok();
   }

@@ -378,7 +378,9 @@ std::vector<std::pair<std::string, uint64_t>> FabricTransport::counters() const 
   return {{"rma_ops", counts_.rma_ops},
           {"combined_ops", counts_.combined_ops},
           {"combined_calls", counts_.combined_calls},
-          {"held_calls", counts_.held_calls}};
+          {"held_calls", counts_.held_calls},
+          {"av_entries", av_table_ ? av_table_->live() : 0},
+          {"queued_sends", send_queue_.size()}};
 }
 
 bool FabricTransport::combinable(const Job& job) const {

@@ -326,6 +326,7 @@ Status FabricTransport::open_fabric() {
   struct fi_av_attr av_attr {};
   av_attr.type = FI_AV_TABLE;
   if ((ret = fi_av_open(domain_, &av_attr, &av_, nullptr)) != 0) return fail("fi_av_open", ret);
+  av_table_ = std::make_shared<AvTable>(av_);
   if ((ret = fi_endpoint(domain_, info_, &ep_, nullptr)) != 0) return fail("fi_endpoint", ret);
   if ((ret = fi_ep_bind(ep_, &av_->fid, 0)) != 0) return fail("fi_ep_bind(av)", ret);
   if ((ret = fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV)) != 0) {
@@ -546,6 +547,7 @@ void FabricTransport::shutdown(const Status& reason) {
       op->mr = nullptr;
     }
   }
+  if (av_table_) av_table_->close();  // peers still held somewhere remove nothing now
   if (av_) fi_close(&av_->fid);
   if (cq_) fi_close(&cq_->fid);
   if (domain_) fi_close(&domain_->fid);

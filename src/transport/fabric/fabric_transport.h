@@ -114,9 +114,36 @@ struct RemoteKey {
 
 struct Job;
 
+// The transport's address vector, shared with the peers whose entries it
+// holds: a peer's entry is removed when the last reference to the peer goes
+// (no op can still name it then: ops hold their peer), which may be after the
+// transport closed the vector (a thread's lookup cache holds a peer). Each
+// insert is matched by one remove: inserting an address already present
+// gives its index again and counts a use (libfabric's util AV, which
+// tcp;ofi_rxm uses; checked with two inserts and one remove), so removing a
+// duplicate leaves the other user's entry in place.
+class AvTable {
+ public:
+  explicit AvTable(struct fid_av* av) : av_(av) {}
+  // One entry for a peer's raw address; FI_ADDR_UNSPEC with `*error` set
+  // where the provider rejects it.
+  fi_addr_t insert(const void* name, int* error);
+  void remove(fi_addr_t addr);
+  // The vector is being closed: later removals do nothing.
+  void close();
+  uint64_t live() const;  // entries inserted and not removed
+
+ private:
+  mutable std::mutex mu_;
+  struct fid_av* av_;
+  uint64_t live_ = 0;
+};
+
 struct Peer {
+  ~Peer();  // removes `addr` from `av`
   PeerId id = 0;
   fi_addr_t addr = FI_ADDR_UNSPEC;
+  std::shared_ptr<AvTable> av;  // the vector `addr` is an entry of
   std::string via;
   std::atomic<bool> dead{false};
   std::atomic<int64_t> last_heard{0};  // steady_clock nanoseconds
@@ -461,6 +488,12 @@ class FabricTransport final : public Transport {
 
   mutable std::mutex peers_mu_;
   std::unordered_map<PeerId, std::shared_ptr<Peer>> peers_;
+  // Why peers were lost, for errors that name them after they left peers_
+  // (fail_peer): the last kDepartedKept, oldest first out.
+  static constexpr size_t kDepartedKept = 256;
+  std::unordered_map<PeerId, std::string> departed_;
+  std::deque<PeerId> departed_order_;
+  std::shared_ptr<AvTable> av_table_;
   // Raised (under peers_mu_) whenever peers_ changes; its values are unique
   // in the process, so a lookup cached for another transport never matches.
   static uint64_t next_peers_version();
