@@ -43,7 +43,6 @@ std::atomic<uint64_t> g_peers_version{0};
 
 }  // namespace
 
-// Errors a provider reports when the connection to the peer is gone.
 fi_addr_t AvTable::insert(const void* name, int* error) {
   std::lock_guard lock(mu_);
   fi_addr_t addr = FI_ADDR_UNSPEC;
@@ -76,6 +75,7 @@ Peer::~Peer() {
   if (av) av->remove(addr);
 }
 
+// Errors a provider reports when the connection to the peer is gone.
 bool internal::is_disconnect(int err) {
   switch (err) {
     case FI_ECONNRESET:
@@ -340,7 +340,16 @@ void FabricTransport::fail_peer(const std::shared_ptr<Peer>& p, const Status& re
       if (j->peer == p) mine.push_back(j);
     }
     failed = mine.size();
-    // Messages to it still waiting for room (the provider said FI_EAGAIN; a
+    for (auto& j : mine) {
+      // Nothing more of it is posted (see cancel()). What the provider holds
+      // already may still write its buffers -- a stopped peer resumes and
+      // answers -- so the transfer fails when the last of that comes back.
+      j->stopped = true;
+      if (j->error.ok()) j->error = why;
+      drop_queued_locked(*j);
+      maybe_finish_locked(j);
+    }
+    // Then its messages still waiting for room (the provider said FI_EAGAIN; a
     // dead peer's connection never makes any) are dropped: each holds the
     // peer, and with it the peer's address vector entry.
     for (auto it = send_queue_.begin(); it != send_queue_.end();) {
@@ -351,15 +360,6 @@ void FabricTransport::fail_peer(const std::shared_ptr<Peer>& p, const Status& re
       }
       it = send_queue_.erase(it);
       on_completion(op, why);
-    }
-    for (auto& j : mine) {
-      // Nothing more of it is posted (see cancel()). What the provider holds
-      // already may still write its buffers -- a stopped peer resumes and
-      // answers -- so the transfer fails when the last of that comes back.
-      j->stopped = true;
-      if (j->error.ok()) j->error = why;
-      drop_queued_locked(*j);
-      maybe_finish_locked(j);
     }
     notify_job_waiters_locked();
   }
