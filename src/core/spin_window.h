@@ -53,7 +53,7 @@ class SpinWindow {
   void idle_round(Clock::time_point start, Clock::time_point end) {
     if (end - start > kDescheduled) back_off(end);
   }
-  // How often polling was stopped for a crowded machine.
+  // How often polling was stopped (descheduled or crowded).
   uint64_t backoffs() const { return backoffs_; }
 
  private:

@@ -86,9 +86,8 @@ const OptionSpec kShmOptionSpecs[] = {
      "and the target polls the ring while it busy-polls (shm.busy_poll_us); the target checks "
      "and copies them exactly as socket requests. Used on a connection where both engines turn "
      "it on. auto: on where the process may use 2 CPUs or more (measured to pay on 2 as on 64), "
-     "off with one; true: on; false: off (every small request a socket frame). GPU memory's staged "
-     "requests take it as host "
-     "memory's do"},
+     "off with one; true: on; false: off (every small request a socket frame). GPU memory's "
+     "staged requests take it as host memory's do"},
     {"shm.ring_max_bytes", OptionType::kBytes, "256KiB",
      "the largest request (payload bytes) that goes through the request ring", 0, 1 << 20},
 };

@@ -59,14 +59,15 @@ const OptionSpec kTcpOptionSpecs[] = {
     {"tcp.busy_poll_us", OptionType::kString, "auto",
      "after an I/O thread handled an event, how long (microseconds) it polls its sockets "
      "without sleeping before it blocks in epoll again: a sleeping thread wakes ~10-15 us late "
-     "once idle for tens of microseconds, on each side of a round trip. auto: 500 where the "
-     "process may use 8 CPUs or more, else 0 (never spin: the threads would take the cores "
-     "the other side needs)"},
+     "once idle for tens of microseconds, on each side of a round trip. Like tcp.serve_poll_us it "
+     "stops for 20 ms on a crowded machine. auto: 500 where the process may use 8 CPUs or more, "
+     "else 0 (never spin: the threads would take the cores the other side needs)"},
     {"tcp.serve_poll_us", OptionType::kString, "auto",
      "after an I/O thread began serving a peer's request, how long (microseconds) it polls its "
      "sockets without sleeping, so that the next request of a round trip finds it awake (the "
      "target's side; the initiator's caller spins in wait() itself). A thread that finds itself "
-     "descheduled while polling sleeps between events for 20 ms. auto: 50 where the process may "
+     "descheduled while polling, or more runnable threads than CPUs + 1 on the machine, sleeps "
+     "between events for 20 ms. auto: 50 where the process may "
      "use fewer than 8 CPUs (there tcp.busy_poll_us is 0), else 0 (tcp.busy_poll_us covers it)"},
     {"tcp.handshake_revision", OptionType::kUint, "2",
      "highest handshake revision this engine offers and accepts: 2 carries both engines' "
